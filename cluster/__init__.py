@@ -1,0 +1,1 @@
+"""The kvray service: controller actor, scheduler, gRPC server, Python client and CLI."""
