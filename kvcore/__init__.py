@@ -20,6 +20,7 @@ from kvcore.attention_specs import (
     SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
+from kvcore.block_sizes import BlockSizes, resolve_kv_cache_block_sizes
 from kvcore.dtypes import DTYPE_SIZES, KVQuantMode, get_kv_quant_mode, is_quantized_kv_cache
 from kvcore.errors import (
     GeometryMismatchError,
@@ -36,8 +37,18 @@ from kvcore.geometry import (
     compute_layer_kv_cache_shape_bytes,
     compute_layout_strides,
 )
+from kvcore.grouping import get_kv_cache_groups
+from kvcore.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
 from kvcore.layout import KVCacheLayout, valid_layout_names
+from kvcore.layout_resolution import get_supported_kv_cache_layouts, resolve_kv_cache_layout
 from kvcore.mamba_spec import MambaSpec
+from kvcore.planner import (
+    InsufficientKVCacheMemoryError,
+    get_kv_cache_config,
+    get_kv_cache_config_from_groups,
+    get_kv_cache_configs,
+    validate_kv_cache_layout,
+)
 from kvcore.sharding import (
     kv_head_range,
     num_kv_heads_per_rank,
@@ -73,11 +84,15 @@ __all__ = [
     "DTYPE_SIZES",
     "AnyKVCacheSpec",
     "AttentionSpec",
+    "BlockSizes",
     "ChunkedLocalAttentionSpec",
     "CircularBufferSpec",
     "FullAttentionSpec",
     "GeometryMismatchError",
+    "InsufficientKVCacheMemoryError",
+    "KVCacheConfig",
     "KVCacheGeometryError",
+    "KVCacheGroupSpec",
     "KVCacheLayout",
     "KVCacheLayoutError",
     "KVCacheSpec",
@@ -103,13 +118,21 @@ __all__ = [
     "decode_rank_report",
     "decode_spec",
     "encode",
+    "get_kv_cache_config",
+    "get_kv_cache_config_from_groups",
+    "get_kv_cache_configs",
+    "get_kv_cache_groups",
     "get_kv_quant_mode",
+    "get_supported_kv_cache_layouts",
     "group_kernel_blocks",
     "is_quantized_kv_cache",
     "iter_layer_specs",
     "kv_head_range",
     "num_kv_heads_per_rank",
+    "resolve_kv_cache_block_sizes",
+    "resolve_kv_cache_layout",
     "shard_kv_cache_spec",
     "shard_layer_specs",
     "valid_layout_names",
+    "validate_kv_cache_layout",
 ]
