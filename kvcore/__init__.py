@@ -21,6 +21,8 @@ from kvcore.attention_specs import (
     SlidingWindowSpec,
 )
 from kvcore.block_sizes import BlockSizes, resolve_kv_cache_block_sizes
+from kvcore.cache_hit import CacheHit, StaleCacheHitError
+from kvcore.coordinator import KVCacheCoordinator, needs_kv_cache_zeroing
 from kvcore.dtypes import DTYPE_SIZES, KVQuantMode, get_kv_quant_mode, is_quantized_kv_cache
 from kvcore.errors import (
     GeometryMismatchError,
@@ -38,10 +40,13 @@ from kvcore.geometry import (
     compute_layout_strides,
 )
 from kvcore.grouping import get_kv_cache_groups
+from kvcore.hashing import hash_token_ids
 from kvcore.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
+from kvcore.kv_request import KVRequest
 from kvcore.layout import KVCacheLayout, valid_layout_names
 from kvcore.layout_resolution import get_supported_kv_cache_layouts, resolve_kv_cache_layout
 from kvcore.mamba_spec import MambaSpec
+from kvcore.managers import UnsupportedSpecError, register_manager
 from kvcore.planner import (
     InsufficientKVCacheMemoryError,
     get_kv_cache_config,
@@ -85,12 +90,14 @@ __all__ = [
     "AnyKVCacheSpec",
     "AttentionSpec",
     "BlockSizes",
+    "CacheHit",
     "ChunkedLocalAttentionSpec",
     "CircularBufferSpec",
     "FullAttentionSpec",
     "GeometryMismatchError",
     "InsufficientKVCacheMemoryError",
     "KVCacheConfig",
+    "KVCacheCoordinator",
     "KVCacheGeometryError",
     "KVCacheGroupSpec",
     "KVCacheLayout",
@@ -100,13 +107,16 @@ __all__ = [
     "KVCacheSpecMergeError",
     "KVCacheTensor",
     "KVQuantMode",
+    "KVRequest",
     "MLAAttentionSpec",
     "MambaSpec",
     "RankReport",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",
+    "StaleCacheHitError",
     "TensorParallelError",
     "UniformTypeKVCacheSpecs",
+    "UnsupportedSpecError",
     "WireFormatError",
     "build_kv_cache_tensor",
     "check_rank_reports",
@@ -125,10 +135,13 @@ __all__ = [
     "get_kv_quant_mode",
     "get_supported_kv_cache_layouts",
     "group_kernel_blocks",
+    "hash_token_ids",
     "is_quantized_kv_cache",
     "iter_layer_specs",
     "kv_head_range",
+    "needs_kv_cache_zeroing",
     "num_kv_heads_per_rank",
+    "register_manager",
     "resolve_kv_cache_block_sizes",
     "resolve_kv_cache_layout",
     "shard_kv_cache_spec",

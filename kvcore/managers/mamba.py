@@ -1,0 +1,166 @@
+"""Recurrent state (Mamba, linear attention): one state block stands for the whole prefix.
+
+Two modes (``MambaSpec.mamba_cache_mode``):
+
+* ``"none"``: each request holds ``1 + num_speculative_blocks`` state blocks for its whole life,
+  whatever its length. Nothing is cached, so a model with such a group never gets a prefix hit.
+* ``"align"``: the table is indexed by position like an attention table, but only the block
+  holding the current state is live: position i holds the state after ``(i + 1) * block_size``
+  tokens once that many are computed. When a step's tokens reach a new position, a new block is
+  claimed there and the positions in between stay null. Before the step the worker copies the
+  state from the nearest non-null entry left of the new block (the previous state, or the
+  cache hit's block) into it. That source block is freed one step later, once the copy has
+  run, so a request holds at most two state blocks.
+
+  A position is cached only when a step ends exactly on its boundary (``num_computed_tokens``
+  a multiple of ``block_size``): only then does the block hold that prefix's state. So the
+  scheduler should end prefill chunks on block boundaries to make a prompt's state reusable
+  (e.g. schedule 100 prompt tokens as 96 + 4). A hit is the last cached aligned position,
+  returned as ``[null] * i + [block]``.
+
+``"all"`` (a state block per position, all kept) and speculative blocks in ``"align"`` mode are
+not supported yet and are refused at construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvcore._math import cdiv
+from kvcore.free_block_queue import KVCacheBlock
+from kvcore.hashing import BlockHash
+from kvcore.kv_request import KVRequest
+from kvcore.managers.base import NEVER, GroupManager, HitResult
+
+
+class MambaManager(GroupManager):
+    zeroes_new_blocks = False
+
+    def __init__(self, spec, block_pool, group_id, **kwargs) -> None:
+        super().__init__(spec, block_pool, group_id, **kwargs)
+        self.mamba_cache_mode: str = self.spec.mamba_cache_mode
+        self.num_speculative_blocks: int = self.spec.num_speculative_blocks
+        if self.mamba_cache_mode == "all":
+            raise ValueError(
+                "mamba_cache_mode 'all' is not supported by kvray's block manager; "
+                "use 'align' (prefix caching) or 'none'."
+            )
+        if self.mamba_cache_mode == "align" and self.num_speculative_blocks:
+            raise ValueError("Speculative blocks are not supported with mamba_cache_mode 'align'.")
+        self.is_align = self.mamba_cache_mode == "align"
+        self.frees_blocks_early = self.is_align
+        # align mode: table positions of previous state blocks, freed once the copy has run.
+        self._pending_frees: dict[str, list[int]] = {}
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_length: int, group_ids: Sequence[int]
+    ) -> HitResult:
+        if not self.is_align:
+            return self._no_hit(group_ids)
+        block_size = self.block_size
+        hashes = self._block_hashes(block_hashes)
+        pool = self.block_pool
+        for index in range(min(max_length // block_size, len(hashes)) - 1, -1, -1):
+            if (index + 1) * block_size % self.cache_hit_alignment:
+                continue
+            blocks = pool.get_cached_blocks(hashes[index], group_ids)
+            if blocks is not None:
+                nulls = [self.null_block] * index
+                return [[*nulls, block] for block in blocks], (index + 1) * block_size
+        return self._no_hit(group_ids)
+
+    def num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        hit_blocks: Sequence[KVCacheBlock],
+        num_computed_tokens: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        table = self.req_to_blocks.get(request_id)
+        num_held = len(hit_blocks) if table is None else len(table)
+        if self.is_align:
+            num_new = 1 if cdiv(num_tokens, self.block_size) > num_held else 0
+        else:
+            num_new = max(1 + self.num_speculative_blocks - num_held, 0)
+        num_evictable = sum(1 for b in hit_blocks if b.ref_cnt == 0 and not b.is_null)
+        return num_new + num_evictable
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        table = self.req_to_blocks[request_id]
+        if not self.is_align:
+            num_new = 1 + self.num_speculative_blocks - len(table)
+            if num_new <= 0:
+                return []
+            new_blocks = self.block_pool.get_new_blocks(num_new)
+            table.extend(new_blocks)
+            return new_blocks
+        num_required = cdiv(num_tokens, self.block_size)
+        if num_required <= len(table):
+            return []
+        if table and not table[-1].is_null:
+            # The current state block is this step's copy source; free it after the step.
+            self._pending_frees.setdefault(request_id, []).append(len(table) - 1)
+        num_before = len(table)
+        table.extend([self.null_block] * (num_required - 1 - num_before))
+        table.extend(self.block_pool.get_new_blocks(1))
+        return table[num_before:]
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        pending = self._pending_frees.get(request_id)
+        if not pending:
+            return
+        # Once a token past the old block's position is computed, the copy out of it has run.
+        current_index = cdiv(num_computed_tokens, self.block_size) - 1
+        table = self.req_to_blocks[request_id]
+        removed = [table[index] for index in pending if index < current_index]
+        if not removed:
+            return
+        self._pending_frees[request_id] = [index for index in pending if index >= current_index]
+        for index in pending:
+            if index < current_index:
+                table[index] = self.null_block
+        self.block_pool.free_blocks(removed)
+
+    def cache_blocks(self, request: KVRequest, num_computed_tokens: int) -> None:
+        """Cache the state block at position ``n // block_size - 1`` when ``n`` (the computed
+        tokens) ends exactly on its boundary; nothing else ever holds a cacheable state."""
+        if not self.is_align or num_computed_tokens == 0:
+            return
+        if num_computed_tokens % self.block_size:
+            return
+        table = self.req_to_blocks.get(request.request_id)
+        index = num_computed_tokens // self.block_size - 1
+        if table is None or index >= len(table):
+            return
+        self.block_pool.cache_full_blocks(
+            table,
+            self._block_hashes(request.block_hashes),
+            index,
+            index + 1,
+            self.block_size,
+            self.group_id,
+        )
+
+    def capacity_tokens(self, request_id: str) -> int:
+        table = self.req_to_blocks[request_id]
+        if self.is_align:
+            return len(table) * self.block_size
+        return NEVER if len(table) >= 1 + self.num_speculative_blocks else 0
+
+    def next_skip_tokens(self, request_id: str, num_computed_tokens: int) -> int:
+        pending = self._pending_frees.get(request_id)
+        if not pending:
+            return NEVER
+        # remove_skipped_blocks frees position i once more than (i + 1) * block_size
+        # tokens are computed.
+        return (min(pending) + 1) * self.block_size + 1
+
+    def next_cache_tokens(self, request_id: str, num_computed_tokens: int) -> int:
+        if not self.is_align:
+            return NEVER
+        return (num_computed_tokens // self.block_size + 1) * self.block_size
+
+    def free(self, request_id: str) -> None:
+        self._pending_frees.pop(request_id, None)
+        super().free(request_id)
