@@ -1,0 +1,135 @@
+"""The backend interface: choice by name, layout and block-size refusals, spec hook, and one
+layer's forward (write, then attend) agreeing between the triton and torch backends."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kvcore
+from kernels import (
+    AttentionParams,
+    MultipleOf,
+    UnknownAttentionBackendError,
+    UnsupportedKVCacheError,
+    attention_backend_names,
+    get_attention_backend,
+)
+from kernels.backends.torch_backend import TorchAttentionBackend
+from tests.kernels.cases import BATCHES, DEVICE, blocks_needed, make_cache, randn
+
+SPEC = kvcore.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype="float32")
+
+
+def test_backends_by_name():
+    assert attention_backend_names() == ["torch", "triton"]
+    assert get_attention_backend("torch").name == "torch"
+    assert get_attention_backend(" Triton ").name == "triton"
+
+
+def test_unknown_backend_is_refused_by_name():
+    with pytest.raises(UnknownAttentionBackendError) as info:
+        get_attention_backend("flash")
+    assert str(info.value) == (
+        "Unknown attention backend 'flash'. Valid backends: ['torch', 'triton']"
+    )
+
+
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_every_layout_is_supported(name):
+    backend = get_attention_backend(name)
+    assert backend.supported_kv_cache_layouts() == tuple(kvcore.KVCacheLayout)
+    assert backend.check_kv_cache_layout("nhd") is kvcore.KVCacheLayout.LBNHC
+    with pytest.raises(kvcore.KVCacheLayoutError, match="Unknown KV cache layout 'XYZ'"):
+        backend.check_kv_cache_layout("XYZ")
+
+
+class PageOnlyBackend(TorchAttentionBackend):
+    name = "page-only"
+
+    def supported_kv_cache_layouts(self):
+        return (kvcore.KVCacheLayout.LBHNC, kvcore.KVCacheLayout.LBNHC)
+
+    def supported_kernel_block_sizes(self):
+        return (16, MultipleOf(64))
+
+
+def test_unsupported_layout_is_refused_by_name():
+    with pytest.raises(kvcore.KVCacheLayoutError) as info:
+        PageOnlyBackend().check_kv_cache_layout("bhlnc")
+    assert str(info.value) == (
+        "The page-only attention backend does not support KV cache layout BHLNC. "
+        "Supported layouts: ['LBHNC', 'LBNHC']"
+    )
+
+
+def test_kernel_block_sizes():
+    backend = PageOnlyBackend()
+    assert [backend.check_kernel_block_size(n) for n in (16, 64, 128)] == [16, 64, 128]
+    with pytest.raises(UnsupportedKVCacheError, match=r"kernel block size 32\. Supported: "):
+        backend.check_kernel_block_size(32)
+    assert get_attention_backend("triton").check_kernel_block_size(8) == 8
+
+
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_customize_spec_is_identity_and_refuses_quantized_caches(name):
+    backend = get_attention_backend(name)
+    assert backend.customize_spec(SPEC) is SPEC
+    fp8 = kvcore.FullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=16, dtype="float8_e4m3fn"
+    )
+    with pytest.raises(UnsupportedKVCacheError, match="dtype 'float8_e4m3fn'"):
+        backend.customize_spec(fp8)
+
+
+def one_layer_step(backend_name: str, layout: str):
+    """A mixed step through ``forward``: new tokens written, then attended, in a cache that
+    already holds every request's context."""
+    backend = get_attention_backend(backend_name)
+    requests = BATCHES["mixed"]
+    cache = make_cache(layout, SPEC, blocks_needed(requests, 16))
+    generator = torch.Generator().manual_seed(2)
+    tables, next_block = [], 0
+    for request in requests:
+        num = -(-request.seq_len // 16)
+        tables.append(list(range(next_block, next_block + num))[::-1])
+        next_block += num
+    seq_lens = [r.seq_len for r in requests]
+    context_lens = [r.seq_len - r.query_len for r in requests]
+    context = backend.build_metadata(context_lens, context_lens, tables, 16, DEVICE)
+    num_context = context.num_actual_tokens
+    backend.write_kv(randn((num_context, 2, 16), torch.float32, generator),
+                     randn((num_context, 2, 16), torch.float32, generator),
+                     cache.view, context)  # fmt: skip
+    step = backend.build_metadata([r.query_len for r in requests], seq_lens, tables, 16, DEVICE)
+    num_tokens = step.num_actual_tokens
+    query, key, value = (randn((num_tokens, n, 16), torch.float32, generator) for n in (4, 2, 2))
+    params = AttentionParams(scale=0.25, num_kv_heads=2, softcap=3.0)
+    out = backend.forward(query, key, value, cache.view, step, params)
+    return out, cache.raw
+
+
+@pytest.mark.parametrize("layout", ["LHBNC", "BLHNC"])
+def test_forward_agrees_between_backends(layout):
+    triton_out, triton_raw = one_layer_step("triton", layout)
+    torch_out, torch_raw = one_layer_step("torch", layout)
+    assert torch.equal(triton_raw, torch_raw)
+    assert (triton_out - torch_out).abs().max() <= 1e-4 * torch_out.abs().max()
+
+
+def test_triton_backend_refuses_a_cpu_without_the_interpreter():
+    if torch.cuda.is_available():
+        pytest.skip("the refusal only applies to CPU-only machines")
+    code = (
+        "import os; os.environ['TRITON_INTERPRET'] = '0'\n"
+        "from kernels import get_attention_backend\n"
+        "try:\n    get_attention_backend('triton')\n"
+        "except RuntimeError as error:\n    print(error)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert "needs a CUDA GPU, or TRITON_INTERPRET=1" in result.stdout
