@@ -1,0 +1,96 @@
+"""Run prompts through real kvray workers (one process, or one process per TP rank on gloo)."""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch.multiprocessing as mp
+
+from kvcore import KVCacheConfig, RankReport, decode, encode, get_kv_cache_config
+from workers.parallel import pick_rendezvous
+from workers.step_plan import StepResult
+from workers.worker import Worker, WorkerOptions
+
+KV_CACHE_MEMORY = 8 << 20
+
+
+def plan_for(worker: Worker, layout: str, max_model_len: int = 256) -> KVCacheConfig:
+    report = decode(worker.report_specs(), RankReport)
+    return get_kv_cache_config(
+        report.specs,
+        report.free_memory_bytes,
+        layout,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=256,
+    )
+
+
+def run_requests(worker: Worker, layout: str, batches, *, chunk: int):
+    """``batches``: lists of (request id, prompt, max tokens, prefix_of), run one after the
+    other. ``prefix_of`` names an earlier request whose first blocks this one reuses."""
+    from tests.workers.harness import StepDriver
+
+    config = plan_for(worker, layout)
+    worker.allocate_kv_cache(encode(config))
+    driver = StepDriver(config, lambda plan: decode(worker.execute(encode(plan)), StepResult))
+    outputs = {}
+    for batch in batches:
+        hits = {}
+        for request_id, prompt, _, prefix_of in batch:
+            if prefix_of is not None:
+                hits[request_id] = driver.prefix_hit(prefix_of, prompt)
+        requests = [(rid, prompt, n) for rid, prompt, n, _ in batch]
+        outputs |= driver.generate(requests, chunk=chunk, prefix_from=hits)
+    return outputs
+
+
+def run_in_process(options: WorkerOptions, layout: str, batches, *, chunk: int):
+    worker = Worker(0, options)
+    worker.init_tp_group(None)
+    worker.load_model()
+    return run_requests(worker, layout, batches, chunk=chunk)
+
+
+def _rank_main(rank, options, layout, batches, chunk, address, queue):
+    try:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        worker = Worker(rank, options)
+        worker.init_tp_group(address)
+        worker.load_model()
+        outputs = run_requests(worker, layout, batches, chunk=chunk)
+        worker.shutdown()
+        queue.put((rank, outputs, None))
+    except BaseException:  # report it to the parent instead of hanging it
+        queue.put((rank, None, traceback.format_exc()))
+
+
+def run_tensor_parallel(
+    options: WorkerOptions, layout: str, batches, *, chunk: int, timeout: float = 600
+):
+    """Every rank in its own process; returns rank 0's outputs after checking all agree."""
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    address = pick_rendezvous()
+    ranks = [
+        context.Process(
+            target=_rank_main, args=(rank, options, layout, batches, chunk, address, queue)
+        )
+        for rank in range(options.tensor_parallel_size)
+    ]
+    for process in ranks:
+        process.start()
+    results = {}
+    try:
+        for _ in ranks:
+            rank, outputs, error = queue.get(timeout=timeout)
+            if error is not None:
+                raise RuntimeError(f"rank {rank} failed:\n{error}")
+            results[rank] = outputs
+    finally:
+        for process in ranks:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    assert all(outputs == results[0] for outputs in results.values()), "ranks disagree"
+    return results[0]

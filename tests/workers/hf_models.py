@@ -1,0 +1,80 @@
+"""Tiny random-weight Hugging Face models, built from a config and saved to a directory, and
+their greedy generations: the reference kvray's workers must match token for token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 300
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23],
+    [100, 3, 4],
+    list(range(30, 60)),
+]
+NUM_OUTPUT_TOKENS = 32
+
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    # Large weights make the greedy tokens vary from step to step (a model that repeats one
+    # token would prove little).
+    initializer_range=0.5,
+    max_position_embeddings=512,
+)
+
+
+def build_config(family: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    if family == "llama":
+        return LlamaConfig(**COMMON)
+    if family == "llama-tied":
+        return LlamaConfig(**COMMON, tie_word_embeddings=True)
+    if family == "qwen2":
+        return Qwen2Config(**COMMON)
+    if family == "mistral":
+        return MistralConfig(**COMMON, sliding_window=8)
+    if family == "qwen3-sliding":
+        # Full and sliding-window layers interleaved: two KV-cache groups.
+        return Qwen3Config(
+            **COMMON,
+            use_sliding_window=True,
+            sliding_window=8,
+            layer_types=["full_attention", "sliding_attention"] * 2,
+        )
+    raise ValueError(family)
+
+
+def save_model(family: str, directory: Path, *, max_shard_size: str | None = None) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(build_config(family)).eval()
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(directory, **kwargs)
+    return directory
+
+
+def reference_generations(model_dir: Path, prompts=PROMPTS, num_tokens=NUM_OUTPUT_TOKENS):
+    """transformers' greedy ``generate``, one prompt at a time (no padding in play)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            generated = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=num_tokens,
+                min_new_tokens=num_tokens,
+                do_sample=False,
+            )
+            outputs.append(generated[0, len(prompt) :].tolist())
+    return outputs

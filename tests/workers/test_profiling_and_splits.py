@@ -1,0 +1,45 @@
+"""The memory-profiling forward, and a backend that needs kernel blocks smaller than the
+scheduler's (the worker splits the views and still matches transformers)."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.backends.torch_backend import TorchAttentionBackend
+from tests.workers.engine import KV_CACHE_MEMORY, run_requests
+from tests.workers.hf_models import PROMPTS, reference_generations, save_model
+from workers.default_model import DEFAULT_CONFIG, load_default_weights
+from workers.models.llama import LlamaForCausalLM
+from workers.profiling import profile_forward
+from workers.worker import Worker, WorkerOptions
+
+
+def test_profile_forward_runs_without_a_kv_cache():
+    model = LlamaForCausalLM(DEFAULT_CONFIG)
+    load_default_weights(model)
+    logits = profile_forward(model, 64, torch.device("cpu"))
+    assert logits.shape == (1, DEFAULT_CONFIG.vocab_size)
+    assert torch.isfinite(logits).all()
+
+
+class TwoTokenKernelBlocks(TorchAttentionBackend):
+    name = "torch-2"
+
+    def supported_kernel_block_sizes(self):
+        return (2,)
+
+
+def test_kernel_block_split_matches_transformers(tmp_path):
+    model_dir = save_model("qwen3-sliding", tmp_path)
+    worker = Worker(
+        0, WorkerOptions(model=str(model_dir), block_size=8, kv_cache_memory_bytes=KV_CACHE_MEMORY)
+    )
+    worker.backend = TwoTokenKernelBlocks()
+    worker.init_tp_group(None)
+    worker.load_model()
+    batch = [[(f"r{i}", p, 12, None) for i, p in enumerate(PROMPTS)]]
+    outputs = run_requests(worker, "LBNHC", batch, chunk=5)
+    some_layer = next(iter(worker.model.attention_layers().values()))
+    assert some_layer.kv_cache.shape[2] == 2  # views split into 2-token kernel blocks
+    expected = reference_generations(model_dir, PROMPTS, 12)
+    assert [outputs[f"r{i}"] for i in range(len(PROMPTS))] == expected

@@ -1,0 +1,16 @@
+"""Model families kvray serves, by Hugging Face architecture name."""
+
+from __future__ import annotations
+
+from workers.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
+
+
+def model_class_for(config: ModelConfig):
+    if config.architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"Unsupported architecture {config.architecture!r}. Supported architectures: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    from workers.models.llama import LlamaForCausalLM  # every supported family shares it
+
+    return LlamaForCausalLM

@@ -1,0 +1,149 @@
+"""The Llama family: Llama, Mistral, Qwen2 (Q/K/V biases) and Qwen3 (Q/K norms), with tied or
+untied embeddings and per-layer full or sliding-window attention."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.kv_specs import attention_layer_name
+from workers.layers.attention import Attention
+from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from workers.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from workers.layers.norm import RMSNorm
+from workers.layers.rotary import RotaryEmbedding
+from workers.model_config import ModelConfig
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [inter, inter], bias=config.mlp_bias, dtype=dtype
+        )
+        self.down_proj = RowParallelLinear(
+            inter, config.hidden_size, bias=config.mlp_bias, dtype=dtype
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype):
+        super().__init__()
+        head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=config.qkv_bias,
+            dtype=dtype,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head_dim,
+            config.hidden_size,
+            bias=config.o_proj_bias,
+            dtype=dtype,
+        )
+        self.rotary_emb = RotaryEmbedding(head_dim, config.rope_theta)
+        self.q_norm = (
+            RMSNorm(head_dim, config.rms_norm_eps, dtype=dtype) if config.qk_norm else None
+        )
+        self.k_norm = (
+            RMSNorm(head_dim, config.rms_norm_eps, dtype=dtype) if config.qk_norm else None
+        )
+        window = config.sliding_window if config.is_sliding(layer_index) else None
+        self.attn = Attention(
+            attention_layer_name(layer_index),
+            self.qkv_proj.num_heads,
+            self.qkv_proj.num_kv_heads,
+            head_dim,
+            scale=head_dim**-0.5,
+            sliding_window=window,
+        )
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = q.view(num_tokens, self.attn.num_heads, self.attn.head_size)  # [T, Hq, D]
+        k = k.view(num_tokens, self.attn.num_kv_heads, self.attn.head_size)  # [T, Hk, D]
+        v = v.view(num_tokens, self.attn.num_kv_heads, self.attn.head_size)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.self_attn = LlamaAttention(config, layer_index, dtype)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype=dtype
+        )
+        self.mlp = LlamaMLP(config, dtype)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, dtype=dtype
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(token_ids)  # [T, hidden]
+        for layer in self.layers:
+            hidden = layer(positions, hidden)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint projections that live inside one merged parameter here: name -> (ours, shard).
+    packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, dtype)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype=dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` of a flat batch of tokens."""
+        return self.model(token_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden).float()  # [R, vocab]
+
+    def attention_layers(self) -> dict[str, Attention]:
+        return {
+            layer.self_attn.attn.layer_name: layer.self_attn.attn for layer in self.model.layers
+        }

@@ -1,0 +1,148 @@
+"""The model runner: executes one step plan on this rank's model shard and KV cache.
+
+It keeps, per live request, the tokens known so far, the block ids of every KV-cache group and
+the sampling parameters; each step it flattens the scheduled tokens into one batch, builds
+attention metadata once per KV-cache group, runs the forward, and samples on rank 0 for every
+request whose known tokens are all computed. Rank 0's tokens are broadcast so every rank's
+token history stays identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.backends import AttentionBackend
+from kvcore import KVCacheConfig
+from workers.forward_context import ForwardContext, set_forward_context
+from workers.parallel import broadcast_from_first, get_tp_group
+from workers.sampling import Sampler, SamplingParams
+from workers.step_plan import NewRequest, RequestDelta, StepPlan, StepResult
+
+
+@dataclass
+class RunnerRequest:
+    token_ids: list[int]
+    block_ids: list[list[int]]  # per KV-cache group
+    sampling: SamplingParams
+
+
+@dataclass
+class ScheduledBatch:
+    request_ids: list[str]
+    query_lens: list[int]
+    seq_lens: list[int]
+    token_ids: list[int]
+    positions: list[int]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model,
+        backend: AttentionBackend,
+        config: KVCacheConfig,
+        device: torch.device | str = "cpu",
+    ):
+        self.model = model
+        self.backend = backend
+        self.config = config
+        self.device = torch.device(device)
+        self.requests: dict[str, RunnerRequest] = {}
+        self.sampler = Sampler()
+        # Which group each attention layer's blocks come from.
+        self.layer_groups = {
+            name: index
+            for index, group in enumerate(config.kv_cache_groups)
+            for name in group.layer_names
+        }
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self._update_state(plan)
+        batch = self._schedule(plan)
+        if not batch.request_ids:
+            return StepResult()
+        hidden = self._forward(batch)
+        return self._sample(batch, hidden)
+
+    def _update_state(self, plan: StepPlan) -> None:
+        for request_id in plan.finished_ids:
+            self.requests.pop(request_id, None)
+            self.sampler.remove_request(request_id)
+        for new in plan.new_requests:
+            self.requests[new.request_id] = RunnerRequest(
+                token_ids=list(new.token_ids),
+                block_ids=[list(ids) for ids in new.block_ids],
+                sampling=new.sampling,
+            )
+            self.sampler.add_request(new.request_id, new.sampling)
+        for delta in plan.deltas:
+            state = self.requests[delta.request_id]
+            for group_ids, added in zip(state.block_ids, delta.new_block_ids, strict=True):
+                group_ids.extend(added)
+
+    def _schedule(self, plan: StepPlan) -> ScheduledBatch:
+        batch = ScheduledBatch([], [], [], [], [])
+        entries: list[NewRequest | RequestDelta] = [*plan.new_requests, *plan.deltas]
+        for entry in entries:
+            if entry.num_new_tokens <= 0:
+                continue
+            state = self.requests[entry.request_id]
+            start, end = entry.num_computed_tokens, entry.num_computed_tokens + entry.num_new_tokens
+            if end > len(state.token_ids):
+                raise ValueError(
+                    f"Request {entry.request_id}: asked to compute tokens up to {end}, but only "
+                    f"{len(state.token_ids)} are known"
+                )
+            batch.request_ids.append(entry.request_id)
+            batch.query_lens.append(entry.num_new_tokens)
+            batch.seq_lens.append(end)
+            batch.token_ids.extend(state.token_ids[start:end])
+            batch.positions.extend(range(start, end))
+        return batch
+
+    def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        metadata_per_group = [
+            self.backend.build_metadata(
+                batch.query_lens,
+                batch.seq_lens,
+                [self.requests[r].block_ids[index] for r in batch.request_ids],
+                group.kv_cache_spec.block_size,
+                self.device,
+            )
+            for index, group in enumerate(self.config.kv_cache_groups)
+        ]
+        context = ForwardContext(
+            backend=self.backend,
+            metadata_by_layer={
+                name: metadata_per_group[index] for name, index in self.layer_groups.items()
+            },
+        )
+        token_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+        with torch.inference_mode(), set_forward_context(context):
+            return self.model(token_ids, positions)  # [T, hidden]
+
+    def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor) -> StepResult:
+        rows, last_indices = [], []
+        end = 0
+        for request_id, query_len, seq_len in zip(
+            batch.request_ids, batch.query_lens, batch.seq_lens, strict=True
+        ):
+            end += query_len
+            if seq_len == len(self.requests[request_id].token_ids):
+                rows.append(request_id)
+                last_indices.append(end - 1)
+        if not rows:
+            return StepResult()
+        with torch.inference_mode():
+            logits = self.model.compute_logits(hidden[last_indices])  # [R, vocab]
+        tokens = torch.zeros(len(rows), dtype=torch.long, device=self.device)
+        if get_tp_group().is_first_rank:
+            params = [self.requests[r].sampling for r in rows]
+            tokens = torch.tensor(self.sampler.sample(logits, rows, params), device=self.device)
+        tokens = broadcast_from_first(tokens).tolist()
+        for request_id, token in zip(rows, tokens, strict=True):
+            self.requests[request_id].token_ids.append(token)
+        return StepResult(sampled=dict(zip(rows, tokens, strict=True)))

@@ -1,0 +1,54 @@
+"""The controller -> worker contract for one engine step, and the worker's reply.
+
+New requests arrive once, with everything a worker must remember; after that only deltas
+travel: the blocks added since the last step and how many tokens to compute now. Workers never
+see the block pool or the scheduler's request objects. Both structs are msgspec messages, so
+the transport can change (actor call, compiled graph, shared memory) without touching either
+side.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from workers.sampling import SamplingParams
+
+
+class NewRequest(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    # Every token known so far: the prompt, plus the outputs when a preempted request resumes.
+    token_ids: list[int]
+    sampling: SamplingParams
+    # Block ids per KV-cache group, in group order (prefix-cache hits included).
+    block_ids: list[list[int]]
+    # Tokens whose K/V are already in the cache (a prefix-cache hit).
+    num_computed_tokens: int
+    # Tokens to compute in this step (a chunk of the prompt, or all of it).
+    num_new_tokens: int
+
+
+class RequestDelta(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    # Blocks appended to each group's table since the last step.
+    new_block_ids: list[list[int]]
+    num_computed_tokens: int
+    num_new_tokens: int
+
+
+class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
+    new_requests: list[NewRequest] = []
+    deltas: list[RequestDelta] = []
+    # Requests that ended (finished, aborted or preempted) since the last step; forget them.
+    finished_ids: list[str] = []
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.new_requests) + sum(
+            d.num_new_tokens for d in self.deltas
+        )
+
+
+class StepResult(msgspec.Struct, frozen=True, kw_only=True):
+    # Request id -> the token sampled this step, for requests that reached their last known
+    # token (a request in the middle of a chunked prefill samples nothing).
+    sampled: dict[str, int] = {}
