@@ -1,0 +1,1 @@
+"""The gRPC API (proto package ``kvray.v1``) and its generated modules."""

@@ -1,0 +1,53 @@
+"""Putting a serving engine together once the workers hold their caches: coordinator,
+scheduler, engine, gRPC server. Shared by the Ray controller and the in-process server."""
+
+from __future__ import annotations
+
+from cluster.config import EngineConfig
+from cluster.engine import AsyncEngine
+from cluster.scheduler.scheduler import Scheduler, SchedulerConfig
+from cluster.server import ApiServer
+from cluster.server_info import static_info
+from kvcore import KVCacheConfig
+from kvcore.coordinator import KVCacheCoordinator
+from workers.default_model import DEFAULT_MODEL_NAME
+from workers.model_config import ModelConfig
+from workers.tokenizer import load_tokenizer
+
+
+def build_engine(
+    config: EngineConfig, model_config: ModelConfig, kv_config: KVCacheConfig, transport
+) -> AsyncEngine:
+    coordinator = KVCacheCoordinator.from_config(
+        kv_config,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        enable_caching=config.enable_prefix_caching,
+    )
+    scheduler = Scheduler(
+        coordinator,
+        SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=kv_config.max_model_len,
+            eos_token_ids=model_config.eos_token_ids,
+        ),
+    )
+    tokenizer = load_tokenizer(config.model, model_config.eos_token_ids)
+    return AsyncEngine(
+        scheduler,
+        transport,
+        tokenizer,
+        vocab_size=model_config.vocab_size,
+        max_model_len=kv_config.max_model_len,
+        max_queue_len=config.max_queue_len,
+    )
+
+
+def build_server(config: EngineConfig, engine: AsyncEngine, kv_config: KVCacheConfig) -> ApiServer:
+    info = static_info(
+        config.model or DEFAULT_MODEL_NAME,
+        config.tensor_parallel_size,
+        config.attention_backend,
+        kv_config,
+    )
+    return ApiServer(engine, info, host=config.host, port=config.port, api_key=config.api_key)

@@ -1,0 +1,249 @@
+"""The ``kvray`` command: ``serve``, ``generate`` and ``plan``.
+
+Flags follow vLLM's names where the two overlap; every ``serve`` flag that has a ``KVRAY_*``
+variable takes its default from it (see ``cluster.env``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from cluster.config import DEFAULT_PORT, EngineConfig
+from cluster.env import env_default, parse_bytes
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        default=env_default("KVRAY_MODEL"),
+        help="Hugging Face model directory (default: the embedded tiny model)",
+    )
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="TP ranks, one worker actor each (default 1)",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output in tokens (default: the model's)",
+    )
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument(
+        "--kv-cache-layout",
+        default=env_default("KVRAY_KV_CACHE_LAYOUT"),
+        help="LBHNC LBNHC LHBNC BLHNC BLNHC BHLNC, or NHD/HND "
+        "(default: the backend's first choice)",
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV cache of shared prompt prefixes (default on)",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of each GPU kvray may use (default 0.9)",
+    )
+    g.add_argument(
+        "--kv-cache-memory",
+        default=env_default("KVRAY_KV_CACHE_MEMORY", "256MiB"),
+        help="KV cache size per rank on CPU workers, e.g. 512MiB (default 256MiB); ignored on GPUs",
+    )
+    g.add_argument(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=None,
+        help="use exactly this many KV blocks (testing)",
+    )
+    g.add_argument(
+        "--max-num-seqs", type=int, default=256, help="requests running at once (default 256)"
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="tokens per engine step (default 2048)",
+    )
+    g.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=1024,
+        help="waiting requests before new ones are refused (default 1024)",
+    )
+    g.add_argument(
+        "--attention-backend",
+        default=env_default("KVRAY_ATTENTION_BACKEND", "torch"),
+        help="torch (CPU) or triton (GPU) (default torch)",
+    )
+    g.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "float16", "bfloat16"],
+        help="weights and KV cache dtype (default: the checkpoint's)",
+    )
+    g.add_argument(
+        "--placement-strategy",
+        default="PACK",
+        choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
+        help="how TP ranks spread over nodes (default PACK)",
+    )
+
+
+def add_server_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument(
+        "--host",
+        default=env_default("KVRAY_HOST", "127.0.0.1"),
+        help="address to bind (default 127.0.0.1; 0.0.0.0 for every interface)",
+    )
+    g.add_argument(
+        "--port",
+        type=int,
+        default=int(env_default("KVRAY_PORT", DEFAULT_PORT)),
+        help=f"gRPC port (default {DEFAULT_PORT}; 0 picks a free one)",
+    )
+    g.add_argument(
+        "--api-key",
+        default=env_default("KVRAY_API_KEY"),
+        help="require 'authorization: Bearer <key>' on every call but health",
+    )
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        tensor_parallel_size=args.tensor_parallel_size,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        kv_cache_layout=args.kv_cache_layout,
+        enable_prefix_caching=args.enable_prefix_caching,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=parse_bytes(args.kv_cache_memory),
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_queue_len=args.max_queue_len,
+        attention_backend=args.attention_backend,
+        dtype=args.dtype,
+        placement_strategy=args.placement_strategy,
+        host=getattr(args, "host", "127.0.0.1"),
+        port=getattr(args, "port", 0),
+        api_key=getattr(args, "api_key", None),
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvray", description=__doc__.splitlines()[0])
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--log-level",
+        default=env_default("KVRAY_LOG_LEVEL", "INFO"),
+        help="DEBUG, INFO, WARNING or ERROR (default INFO)",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", parents=[common], help="serve a model over gRPC on Ray")
+    add_engine_flags(serve)
+    add_server_flags(serve)
+
+    generate = commands.add_parser(
+        "generate", parents=[common], help="generate once, against a server or locally"
+    )
+    generate.add_argument(
+        "--server",
+        default=None,
+        help="HOST:PORT of a running server (default: start a local engine)",
+    )
+    generate.add_argument("--api-key", default=env_default("KVRAY_API_KEY"))
+    generate.add_argument(
+        "--in-process",
+        action="store_true",
+        help="without --server: run one rank in this process instead of "
+        "starting a local Ray (TP 1 only; faster to start)",
+    )
+    prompt = generate.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-token-ids", help="comma-separated token ids, e.g. 1,2,3")
+    generate.add_argument("--max-tokens", type=int, default=16)
+    generate.add_argument("--temperature", type=float, default=1.0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--stop", action="append", default=None, help="a stop string (repeat)")
+    generate.add_argument("--ignore-eos", action="store_true")
+    generate.add_argument(
+        "--output",
+        choices=["text", "json"],
+        default="text",
+        help="text streams the completion; json prints it with token ids",
+    )
+    add_engine_flags(generate)
+
+    batch = commands.add_parser(
+        "batch", parents=[common], help="generate for every line of a JSONL file, in order"
+    )
+    batch.add_argument(
+        "--input",
+        required=True,
+        help="JSONL: one {prompt|prompt_token_ids, id?, sampling fields?} object per line",
+    )
+    batch.add_argument(
+        "--output",
+        required=True,
+        help="JSONL results, one per input line; an existing file is resumed",
+    )
+    batch.add_argument(
+        "--server",
+        default=None,
+        help="HOST:PORT of a running server (default: start an engine on Ray)",
+    )
+    batch.add_argument("--api-key", default=env_default("KVRAY_API_KEY"))
+    batch.add_argument(
+        "--concurrency", type=int, default=64, help="requests in flight at once (default 64)"
+    )
+    add_engine_flags(batch)
+
+    plan = commands.add_parser(
+        "plan", parents=[common], help="print the KV-cache plan without loading weights"
+    )
+    add_engine_flags(plan)
+    plan.add_argument(
+        "--layouts",
+        default="all",
+        help="comma-separated layouts to show strides for (default: all six)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from cluster import commands
+
+    try:
+        run = {
+            "serve": commands.serve,
+            "generate": commands.generate,
+            "batch": commands.batch,
+            "plan": commands.plan,
+        }[args.command]
+        return run(args)
+    except (ValueError, OSError) as exc:
+        print(f"kvray {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

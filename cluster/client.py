@@ -1,0 +1,273 @@
+"""The kvray Python client: gRPC to a running server. Imports neither torch nor ray, so it
+installs and runs anywhere Python and grpcio do.
+
+    from cluster.client import Client
+    with Client("127.0.0.1:50051") as client:
+        print(client.generate("Hello", max_tokens=8, temperature=0).text)
+        for delta in client.stream([1, 2, 3], max_tokens=8):
+            print(delta.token_ids)
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cluster.api.v1 import kvray_pb2 as pb
+from cluster.api.v1 import kvray_pb2_grpc as pb_grpc
+
+SAMPLING_KEYS = frozenset(
+    ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
+)
+
+
+class KVRayError(Exception):
+    """A call the server refused or could not complete; ``code`` is the gRPC status."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+class InvalidRequestError(KVRayError):
+    """The request was malformed (bad sampling values, a prompt too long, ...)."""
+
+
+class OverloadedError(KVRayError):
+    """The server's queue is full; retry later."""
+
+
+class UnavailableError(KVRayError):
+    """The server is unreachable, shutting down, or lost a worker."""
+
+
+class UnauthenticatedError(KVRayError):
+    """A missing or wrong API key."""
+
+
+_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: OverloadedError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+}
+
+
+def _translate(error: grpc.RpcError) -> KVRayError:
+    code = error.code()
+    return _ERRORS.get(code, KVRayError)(error.details() or str(code), code)
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one streamed message adds: new tokens and text; the last one finishes."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    usage: Usage | None
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+
+
+def build_request(prompt: str | Sequence[int], request_id: str | None, sampling: dict):
+    unknown = set(sampling) - SAMPLING_KEYS
+    if unknown:
+        raise TypeError(
+            f"Unknown sampling keyword(s) {sorted(unknown)}; valid: {sorted(SAMPLING_KEYS)}"
+        )
+    request = pb.GenerateRequest(request_id=request_id or "")
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(int(t) for t in prompt)
+    for key, value in sampling.items():
+        if value is None:
+            continue
+        if key in ("stop", "stop_token_ids"):
+            getattr(request.sampling, key).extend([value] if isinstance(value, str) else value)
+        else:
+            setattr(request.sampling, key, value)
+    return request
+
+
+def _delta(message: pb.GenerateResponse) -> Delta:
+    usage = None
+    if message.HasField("usage"):
+        u = message.usage
+        usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
+    return Delta(
+        message.request_id,
+        list(message.token_ids),
+        message.text,
+        message.finish_reason or None,
+        usage,
+    )
+
+
+def _collect(deltas: list[Delta]) -> Completion:
+    last = deltas[-1]
+    return Completion(
+        request_id=last.request_id,
+        text="".join(d.text for d in deltas),
+        token_ids=[t for d in deltas for t in d.token_ids],
+        finish_reason=last.finish_reason or "abort",
+        usage=last.usage or Usage(0, 0, 0),
+    )
+
+
+def message_to_dict(message) -> dict:
+    """Every field of ``message`` with Python values (ints stay ints, unlike proto JSON)."""
+    result = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        is_message = field.type == field.TYPE_MESSAGE
+        if field.is_repeated:
+            value = [message_to_dict(v) if is_message else v for v in value]
+        elif is_message:
+            value = message_to_dict(value)
+        result[field.name] = value
+    return result
+
+
+def _metadata(api_key: str | None):
+    return None if api_key is None else (("authorization", f"Bearer {api_key}"),)
+
+
+class Client:
+    def __init__(self, address: str, api_key: str | None = None, timeout: float | None = None):
+        self._channel = grpc.insecure_channel(address)
+        self._stub = pb_grpc.EngineStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._metadata = _metadata(api_key)
+        self.timeout = timeout
+
+    def stream(
+        self, prompt: str | Sequence[int], *, request_id: str | None = None, **sampling
+    ) -> Iterator[Delta]:
+        request = build_request(prompt, request_id, sampling)
+        call = self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
+        try:
+            for message in call:
+                yield _delta(message)
+        except grpc.RpcError as error:
+            raise _translate(error) from None
+        finally:
+            call.cancel()  # a caller that stops iterating aborts the request
+
+    def generate(
+        self, prompt: str | Sequence[int], *, request_id: str | None = None, **sampling
+    ) -> Completion:
+        return _collect(list(self.stream(prompt, request_id=request_id, **sampling)))
+
+    def abort(self, request_id: str) -> bool:
+        try:
+            reply = self._stub.Abort(
+                pb.AbortRequest(request_id=request_id),
+                timeout=self.timeout,
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as error:
+            raise _translate(error) from None
+        return reply.aborted
+
+    def info(self) -> dict:
+        try:
+            reply = self._stub.GetServerInfo(
+                pb.GetServerInfoRequest(), timeout=self.timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as error:
+            raise _translate(error) from None
+        return message_to_dict(reply)
+
+    def health(self, service: str = "") -> str:
+        """``"SERVING"`` or ``"NOT_SERVING"`` (no API key needed)."""
+        try:
+            reply = self._health.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=self.timeout
+            )
+        except grpc.RpcError as error:
+            raise _translate(error) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    def __init__(self, address: str, api_key: str | None = None, timeout: float | None = None):
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = pb_grpc.EngineStub(self._channel)
+        self._metadata = _metadata(api_key)
+        self.timeout = timeout
+
+    async def stream(
+        self, prompt: str | Sequence[int], *, request_id: str | None = None, **sampling
+    ) -> AsyncIterator[Delta]:
+        request = build_request(prompt, request_id, sampling)
+        call = self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
+        try:
+            async for message in call:
+                yield _delta(message)
+        except grpc.RpcError as error:
+            raise _translate(error) from None
+        finally:
+            call.cancel()
+
+    async def generate(
+        self, prompt: str | Sequence[int], *, request_id: str | None = None, **sampling
+    ) -> Completion:
+        return _collect([d async for d in self.stream(prompt, request_id=request_id, **sampling)])
+
+    async def abort(self, request_id: str) -> bool:
+        try:
+            reply = await self._stub.Abort(
+                pb.AbortRequest(request_id=request_id),
+                timeout=self.timeout,
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as error:
+            raise _translate(error) from None
+        return reply.aborted
+
+    async def info(self) -> dict:
+        try:
+            reply = await self._stub.GetServerInfo(
+                pb.GetServerInfoRequest(), timeout=self.timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as error:
+            raise _translate(error) from None
+        return message_to_dict(reply)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

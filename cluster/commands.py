@@ -1,0 +1,150 @@
+"""What each ``kvray`` subcommand does (argument parsing lives in ``cluster.cli``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+
+from cluster.cli import engine_config
+from cluster.client import Client
+from workers.default_model import DEFAULT_CONFIG, DEFAULT_MODEL_NAME
+from workers.model_config import load_model_config
+
+
+def serve(args) -> int:
+    import ray
+
+    from cluster.controller import start_controller
+
+    config = engine_config(args)
+    ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=True)
+    handle, info = start_controller(config)
+    print(
+        f"kvray: serving {config.model or DEFAULT_MODEL_NAME} on {info['address']} "
+        f"(TP {config.tensor_parallel_size}); KV cache: {info['num_blocks']} blocks, "
+        f"{info['capacity_tokens']} tokens, max concurrency {info['max_concurrency']:.2f}x, "
+        f"layout {info['layout']}",
+        flush=True,
+    )
+    stopping = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.set())
+    stopping.wait()
+    print("kvray: shutting down", flush=True)
+    ray.get(handle.stop.remote())
+    ray.shutdown()
+    return 0
+
+
+def _sampling(args) -> dict:
+    return dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def _prompt(args):
+    if args.prompt is not None:
+        return args.prompt
+    try:
+        return [int(t) for t in args.prompt_token_ids.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError("--prompt-token-ids takes comma-separated integers, e.g. 1,2,3") from None
+
+
+def generate(args) -> int:
+    if args.server is not None:
+        with Client(args.server, api_key=args.api_key) as client:
+            return _print_generation(client, args)
+    config = engine_config(args)
+    if args.in_process:
+        from cluster.local import LocalServer
+
+        with LocalServer(config) as server, Client(server.address) as client:
+            return _print_generation(client, args)
+    with local_engine(config) as address, Client(address) as client:
+        return _print_generation(client, args)
+
+
+def batch(args) -> int:
+    from cluster.batch import run_batch
+
+    def run(address: str) -> int:
+        summary = run_batch(
+            address, args.input, args.output, api_key=args.api_key, concurrency=args.concurrency
+        )
+        print(
+            f"kvray batch: {summary.num_succeeded} succeeded, {summary.num_failed} failed, "
+            f"{summary.num_skipped} already done; results in {args.output}",
+            file=sys.stderr,
+        )
+        return 0  # bad lines are reported in the output and on stderr; the rest ran
+
+    if args.server is not None:
+        return run(args.server)
+    with local_engine(engine_config(args)) as address:
+        return run(address)
+
+
+@contextmanager
+def local_engine(config):
+    """An engine on Ray (started here, or the one in RAY_ADDRESS) for one command's use."""
+    import ray
+
+    from cluster.controller import start_controller
+
+    # The engine's own logs would interleave with the command's output; keep them off stdout.
+    ray.init(
+        address=os.environ.get("RAY_ADDRESS") or None,
+        log_to_driver=False,
+        logging_level=logging.WARNING,
+    )
+    handle, info = start_controller(config)
+    try:
+        yield info["address"]
+    finally:
+        ray.get(handle.stop.remote())
+        ray.shutdown()
+
+
+def _print_generation(client: Client, args) -> int:
+    prompt, sampling = _prompt(args), _sampling(args)
+    if args.output == "json":
+        completion = client.generate(prompt, **sampling)
+        print(
+            json.dumps(
+                {
+                    "request_id": completion.request_id,
+                    "text": completion.text,
+                    "token_ids": completion.token_ids,
+                    "finish_reason": completion.finish_reason,
+                    "usage": vars(completion.usage),
+                }
+            )
+        )
+        return 0
+    for delta in client.stream(prompt, **sampling):
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def plan(args) -> int:
+    from cluster.plan_report import plan_report
+
+    config = engine_config(args)
+    model_config = DEFAULT_CONFIG if config.model is None else load_model_config(config.model)
+    layouts = None if args.layouts == "all" else args.layouts.split(",")
+    print(plan_report(config, model_config, layouts))
+    return 0

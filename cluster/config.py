@@ -1,0 +1,46 @@
+"""Engine configuration: one frozen struct, filled from ``kvray serve`` flags and ``KVRAY_*``
+environment variables (read in ``cluster.env``), with vLLM's flag names where they overlap."""
+
+from __future__ import annotations
+
+import msgspec
+
+DEFAULT_PORT = 50051
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    model: str | None = None  # a Hugging Face model directory; None = the embedded default
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    block_size: int = 16
+    kv_cache_layout: str | None = None  # None: the attention backend's first choice
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None  # required on CPU-only workers
+    num_gpu_blocks_override: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_queue_len: int = 1024  # waiting requests beyond this are refused (RESOURCE_EXHAUSTED)
+    attention_backend: str = "torch"
+    dtype: str | None = None
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT  # 0 picks a free port
+    api_key: str | None = None
+    placement_strategy: str = "PACK"
+    placement_timeout_s: float = 120.0
+    use_gpu: bool | None = None  # None: when the Ray cluster has GPUs
+
+    def __post_init__(self) -> None:
+        checks = {
+            "tensor_parallel_size": self.tensor_parallel_size >= 1,
+            "block_size": self.block_size >= 1,
+            "max_num_seqs": self.max_num_seqs >= 1,
+            "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
+            "gpu_memory_utilization": 0 < self.gpu_memory_utilization <= 1,
+            "port": 0 <= self.port < 65536,
+            "placement_strategy": self.placement_strategy
+            in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"invalid engine settings: {', '.join(bad)} (got {self})")

@@ -1,0 +1,134 @@
+"""The controller: a Ray actor that reserves a placement group, starts one worker actor per TP
+rank, runs the startup handshake, and then hosts the engine loop and the gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.assembly import build_engine, build_server
+from cluster.config import EngineConfig
+from cluster.local import worker_options
+from cluster.startup import plan_kv_cache
+from cluster.transport import RayActorTransport
+from kvcore import RankReport, decode, encode
+from workers.actor import remote_worker_class
+from workers.default_model import DEFAULT_CONFIG
+from workers.model_config import load_model_config
+
+logger = logging.getLogger(__name__)
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot hold the requested TP ranks."""
+
+
+class Controller:
+    def __init__(self, config_bytes: bytes):
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        self.config = decode(config_bytes, EngineConfig)
+        self.model_config = (
+            DEFAULT_CONFIG if self.config.model is None else load_model_config(self.config.model)
+        )
+        self.workers: list = []
+        self.pg = None
+        self.engine = None
+        self.server = None
+
+    async def start(self) -> dict:
+        """Place and start the workers, agree on the KV plan, start serving; returns the
+        server address and the plan's headline figures."""
+        use_gpu = self.config.use_gpu
+        if use_gpu is None:
+            use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        await self._reserve(use_gpu)
+        await self._start_workers(use_gpu)
+        kv_config = await self._handshake()
+        self.engine = build_engine(
+            self.config, self.model_config, kv_config, RayActorTransport(self.workers)
+        )
+        self.server = build_server(self.config, self.engine, kv_config)
+        self.engine.on_death = lambda: asyncio.ensure_future(self.server.set_serving(False))
+        self.engine.start()
+        await self.server.start()
+        return {
+            "address": self.server.address,
+            "num_blocks": kv_config.num_blocks,
+            "capacity_tokens": kv_config.capacity_tokens,
+            "max_concurrency": kv_config.max_concurrency,
+            "layout": kv_config.layout,
+        }
+
+    async def _reserve(self, use_gpu: bool) -> None:
+        bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
+        tp = self.config.tensor_parallel_size
+        self.pg = placement_group([dict(bundle)] * tp, strategy=self.config.placement_strategy)
+        try:
+            await asyncio.wait_for(self.pg.ready(), timeout=self.config.placement_timeout_s)
+        except asyncio.TimeoutError:
+            remove_placement_group(self.pg)
+            raise PlacementError(
+                f"Could not place {tp} TP rank(s) of {bundle} each with strategy "
+                f"{self.config.placement_strategy} within {self.config.placement_timeout_s:.0f} "
+                f"s. The cluster has {ray.cluster_resources()} in total and "
+                f"{ray.available_resources()} available."
+            ) from None
+
+    async def _start_workers(self, use_gpu: bool) -> None:
+        actor_class = remote_worker_class(num_cpus=1, num_gpus=1 if use_gpu else 0)
+        options = worker_options(self.config)
+        self.workers = [
+            actor_class.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=rank
+                )
+            ).remote(rank, options)
+            for rank in range(self.config.tensor_parallel_size)
+        ]
+        address = await self.workers[0].rendezvous_address.remote()
+        await asyncio.gather(*(w.init_tp_group.remote(address) for w in self.workers))
+        await asyncio.gather(*(w.load_model.remote() for w in self.workers))
+
+    async def _handshake(self):
+        replies = await asyncio.gather(*(w.report_specs.remote() for w in self.workers))
+        reports = [decode(reply, RankReport) for reply in replies]
+        kv_config = plan_kv_cache(reports, self.model_config, self.config)
+        payload = encode(kv_config)
+        await asyncio.gather(*(w.allocate_kv_cache.remote(payload) for w in self.workers))
+        return kv_config
+
+    async def worker_handles(self) -> list:
+        return list(self.workers)
+
+    async def worker_node_ids(self) -> list[str]:
+        return list(await asyncio.gather(*(w.node_id.remote() for w in self.workers)))
+
+    async def stats(self) -> dict:
+        """Counters tests and operators read: free blocks, preemptions, steps."""
+        scheduler = self.engine.scheduler
+        return {
+            "num_free_blocks": scheduler.coordinator.num_free_blocks,
+            "num_preemptions": scheduler.num_preemptions,
+            "num_steps": self.engine.num_steps,
+        }
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(1.0)
+        if self.engine is not None:
+            await self.engine.stop()
+        for worker in self.workers:
+            ray.kill(worker)
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+
+
+def start_controller(config: EngineConfig):
+    """Create the controller actor (on the driver's node, with no CPU of its own)."""
+    actor_class = ray.remote(num_cpus=0)(Controller)
+    handle = actor_class.options(max_concurrency=1000).remote(encode(config))
+    return handle, ray.get(handle.start.remote())

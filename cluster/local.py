@@ -1,0 +1,91 @@
+"""An engine and its gRPC server in this process, with one in-process worker (TP=1, no Ray).
+
+For tests and quick experiments; ``kvray serve`` runs the same parts inside a Ray controller.
+The server's event loop runs in a background thread, so synchronous code can use the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from cluster.assembly import build_engine, build_server
+from cluster.config import EngineConfig
+from cluster.startup import plan_kv_cache
+from cluster.transport import InProcessTransport
+from kvcore import RankReport, decode, encode
+from workers.worker import Worker, WorkerOptions
+
+
+def worker_options(config: EngineConfig) -> WorkerOptions:
+    return WorkerOptions(
+        model=config.model,
+        tensor_parallel_size=config.tensor_parallel_size,
+        block_size=config.block_size,
+        attention_backend=config.attention_backend,
+        dtype=config.dtype,
+        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+    )
+
+
+class LocalServer:
+    def __init__(self, config: EngineConfig):
+        if config.tensor_parallel_size != 1:
+            raise ValueError("The in-process server runs TP=1; use kvray serve for more ranks.")
+        self.config = config
+        self.worker = Worker(0, worker_options(config))
+        self.worker.init_tp_group(None)
+        self.worker.load_model()
+        report = decode(self.worker.report_specs(), RankReport)
+        self.kv_config = plan_kv_cache([report], self.worker.model_config, config)
+        self.worker.allocate_kv_cache(encode(self.kv_config))
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kvray-local", daemon=True)
+        self.engine = None
+        self.server = None
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._start())
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _start(self) -> None:
+        self.engine = build_engine(
+            self.config, self.worker.model_config, self.kv_config, InProcessTransport(self.worker)
+        )
+        self.engine.start()
+        self.server = build_server(self.config, self.engine, self.kv_config)
+        await self.server.start()
+
+    def start(self) -> LocalServer:
+        self._thread.start()
+        self._ready.wait(timeout=60)
+        return self
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def run(self, coroutine):
+        """Run ``coroutine`` on the server's loop (to inspect the engine safely)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout=60)
+
+    def stop(self) -> None:
+        async def shutdown():
+            await self.server.stop(0.5)
+            await self.engine.stop()
+
+        self.run(shutdown())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self.worker.shutdown()
+
+    def __enter__(self) -> LocalServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

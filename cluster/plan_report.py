@@ -1,0 +1,66 @@
+"""``kvray plan``: the KV-cache plan of a model on one rank, without loading any weights."""
+
+from __future__ import annotations
+
+from cluster.config import EngineConfig
+from cluster.startup import max_model_len_for
+from kernels.backends import get_attention_backend
+from kvcore import (
+    KVCacheLayout,
+    get_kv_cache_config,
+    resolve_kv_cache_layout,
+)
+from workers.kv_specs import rank_kv_cache_specs
+
+
+def plan_report(config: EngineConfig, model_config, layouts: list[str] | None = None) -> str:
+    backend = get_attention_backend(config.attention_backend)
+    tp = config.tensor_parallel_size
+    specs = rank_kv_cache_specs(
+        model_config,
+        config.block_size,
+        tp,
+        0,
+        backend.customize_spec,
+        config.dtype or model_config.dtype,
+    )
+    supported = [layout.name for layout in backend.supported_kv_cache_layouts()]
+    chosen = resolve_kv_cache_layout(config.kv_cache_layout, [supported] * tp, specs.values())
+    memory = config.kv_cache_memory_bytes or 0
+    options = dict(
+        max_model_len=max_model_len_for(config, model_config),
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        enable_prefix_caching=config.enable_prefix_caching,
+        num_blocks_override=config.num_gpu_blocks_override,
+    )
+    kv = get_kv_cache_config(specs, memory, chosen, **options)
+    lines = [
+        f"model: {config.model or 'kvray-default-tiny'} ({model_config.architecture}), "
+        f"TP {tp}, {model_config.num_hidden_layers} layers",
+        f"layout: {kv.layout}; KV memory per rank: {memory} bytes",
+        f"blocks: {kv.num_blocks} x {kv.bytes_per_block} bytes; scheduler block "
+        f"{kv.scheduler_block_size} tokens, hash block {kv.hash_block_size}",
+        f"fits: {kv.capacity_tokens} tokens, max concurrency {kv.max_concurrency:.2f}x at "
+        f"{kv.max_model_len} tokens",
+        "groups:",
+    ]
+    for index, group in enumerate(kv.kv_cache_groups):
+        spec = group.kv_cache_spec
+        lines.append(
+            f"  [{index}] {type(spec).__name__}: {len(group.layer_names)} layers, block "
+            f"{spec.block_size} tokens, page {spec.page_size_bytes} bytes "
+            f"(H={spec.num_heads} N={spec.num_states} C={spec.state_content_size_bytes})"
+        )
+    lines.append("strides per layout (layer_stride, block_stride, offset) of each tensor:")
+    for layout in layouts or [layout.name for layout in KVCacheLayout]:
+        try:
+            other = get_kv_cache_config(specs, memory, layout, **options)
+        except ValueError as exc:
+            lines.append(f"  {layout}: cannot express this model: {exc}")
+            continue
+        tensors = "; ".join(
+            f"{len(t.layers)} layers ({t.layer_stride}, {t.block_stride}, {t.offset})"
+            for t in other.kv_cache_tensors
+        )
+        lines.append(f"  {KVCacheLayout.parse(layout).name}: {tensors}")
+    return "\n".join(lines)

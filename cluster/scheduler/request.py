@@ -1,0 +1,52 @@
+"""One request as the controller sees it: prompt, sampling, KV bookkeeping, outputs."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from cluster.scheduler.detokenizer import IncrementalDetokenizer
+from kvcore.kv_request import KVRequest
+from workers.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    kv: KVRequest  # token ids, computed count, prefix hashes
+    sampling: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    arrival_index: int
+    status: RequestStatus = RequestStatus.WAITING
+    num_cached_prompt_tokens: int = 0
+    # Whether the workers hold this request's state (false before its first step and after a
+    # preemption, when it must be sent again as a new request).
+    is_on_workers: bool = False
+    finish_reason: str | None = None
+    # Output pending delivery to the client since the last step.
+    pending_token_ids: list[int] = field(default_factory=list)
+    pending_text: str = ""
+    emitted_text_len: int = 0  # characters already sent, for stop-string hold-back
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.kv.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.kv.token_ids[self.kv.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.kv.num_tokens - self.kv.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,198 @@
+"""Continuous batching under a token budget, with chunked prefill, prefix-cache hits and
+preemption by recompute.
+
+Each step the scheduler first gives running requests their next tokens (one for a decode, the
+rest of the prompt, chunked, for a prefill), oldest first; when the pool runs out of blocks it
+preempts the newest running request (its blocks go back; it will recompute, helped by the
+prefix cache). With budget and sequence slots left, waiting requests are admitted in arrival
+order with their longest cached prefix. The scheduler sees block ids and counts only; the
+coordinator owns the pool.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from cluster.scheduler.request import EngineRequest, RequestStatus
+from cluster.scheduler.stop import check_stop
+from kvcore.coordinator import KVCacheCoordinator
+from workers.step_plan import NewRequest, RequestDelta, StepPlan, StepResult
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class ScheduledStep:
+    plan: StepPlan
+    # (request, tokens computed for it this step), in plan order.
+    scheduled: list[tuple[EngineRequest, int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.plan.finished_ids
+
+
+class Scheduler:
+    def __init__(self, coordinator: KVCacheCoordinator, config: SchedulerConfig):
+        self.coordinator = coordinator
+        self.config = config
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []
+        self.requests: dict[str, EngineRequest] = {}
+        self._ended_on_workers: list[str] = []  # tell the workers to forget these
+        self.num_preemptions = 0
+
+    # -- requests in and out ---------------------------------------------------------------
+
+    def add(self, request: EngineRequest) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> EngineRequest | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.finish(request, "abort")
+        return request
+
+    def finish(self, request: EngineRequest, reason: str) -> None:
+        if request.is_finished:
+            return
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.coordinator.free(request.kv)
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if request.is_on_workers:
+            self._ended_on_workers.append(request.request_id)
+            request.is_on_workers = False
+        del self.requests[request.request_id]
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._ended_on_workers)
+
+    # -- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledStep:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[EngineRequest, int, list[list[int]]]] = []
+        budget, preempted = self._schedule_running(budget, scheduled)
+        if not preempted:
+            self._schedule_waiting(budget, scheduled)
+        return self._build_plan(scheduled)
+
+    def _schedule_running(self, budget: int, scheduled) -> tuple[int, bool]:
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.kv.num_tokens - request.kv.num_computed_tokens, budget)
+            new_blocks = self.coordinator.allocate(request.kv, num_new)
+            while new_blocks is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+                new_blocks = self.coordinator.allocate(request.kv, num_new)
+            if new_blocks is None:
+                break
+            scheduled.append((request, num_new, new_blocks))
+            budget -= num_new
+            index += 1
+        return budget, preempted
+
+    def _schedule_waiting(self, budget: int, scheduled) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hit = self.coordinator.find_longest_cache_hit(request.kv)
+            num_new = min(request.kv.num_tokens - hit.num_tokens, budget)
+            new_blocks = self.coordinator.allocate(request.kv, num_new, hit)
+            if new_blocks is None:
+                break  # no room; it stays first in line
+            self.waiting.popleft()
+            request.kv.num_computed_tokens = hit.num_tokens
+            if request.status is RequestStatus.WAITING:
+                request.num_cached_prompt_tokens = min(hit.num_tokens, request.num_prompt_tokens)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append((request, num_new, new_blocks))
+            budget -= num_new
+
+    def _preempt(self, request: EngineRequest) -> None:
+        """Give back every block; the request recomputes from its tokens when resumed."""
+        self.running.remove(request)
+        self.coordinator.free(request.kv)
+        request.kv.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        if request.is_on_workers:
+            self._ended_on_workers.append(request.request_id)
+            request.is_on_workers = False
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def _build_plan(self, scheduled) -> ScheduledStep:
+        new_requests, deltas = [], []
+        for request, num_new, new_blocks in scheduled:
+            kv = request.kv
+            if request.is_on_workers:
+                deltas.append(
+                    RequestDelta(
+                        request_id=request.request_id,
+                        new_block_ids=new_blocks,
+                        num_computed_tokens=kv.num_computed_tokens,
+                        num_new_tokens=num_new,
+                    )
+                )
+            else:
+                new_requests.append(
+                    NewRequest(
+                        request_id=request.request_id,
+                        token_ids=list(kv.token_ids),
+                        sampling=request.sampling,
+                        block_ids=self.coordinator.get_block_ids(kv),
+                        num_computed_tokens=kv.num_computed_tokens,
+                        num_new_tokens=num_new,
+                    )
+                )
+                request.is_on_workers = True
+        plan = StepPlan(
+            new_requests=new_requests, deltas=deltas, finished_ids=self._ended_on_workers
+        )
+        self._ended_on_workers = []
+        return ScheduledStep(plan, [(request, num_new) for request, num_new, _ in scheduled])
+
+    def update(self, step: ScheduledStep, result: StepResult) -> list[EngineRequest]:
+        """Apply a step's result; returns the requests with new output or a finish."""
+        touched = []
+        for request, num_new in step.scheduled:
+            if request.is_finished or request.status is not RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            kv = request.kv
+            kv.num_computed_tokens += num_new
+            self.coordinator.cache_blocks(kv, kv.num_computed_tokens)
+            token = result.sampled.get(request.request_id)
+            if token is None:
+                continue
+            kv.append_token_ids((token,))
+            request.pending_token_ids.append(token)
+            request.detokenizer.add([token])
+            reason = check_stop(
+                request, token, self.config.eos_token_ids, self.config.max_model_len
+            )
+            if reason is not None:
+                self.finish(request, reason)
+            touched.append(request)
+        return touched

@@ -1,0 +1,47 @@
+"""When a request stops, and the text it may show so far.
+
+Order of checks after each sampled token: a stop token id or EOS ("stop"), then a stop string
+in the text ("stop"; the string and what follows are cut), then ``max_tokens`` or the model's
+length ("length").
+"""
+
+from __future__ import annotations
+
+from cluster.scheduler.request import EngineRequest
+
+
+def check_stop(
+    request: EngineRequest, token: int, eos_token_ids: tuple[int, ...], max_model_len: int
+) -> str | None:
+    """The finish reason after ``token`` was appended (its text already detokenized)."""
+    params = request.sampling
+    if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
+        return "stop"
+    if params.stop and _cut_at_stop_string(request):
+        return "stop"
+    if request.num_output_tokens >= params.max_tokens or request.kv.num_tokens >= max_model_len:
+        return "length"
+    return None
+
+
+def _cut_at_stop_string(request: EngineRequest) -> bool:
+    text = request.detokenizer.text
+    # A stop string can only newly appear near the end; search from where it could start.
+    longest = max(len(s) for s in request.sampling.stop)
+    start = max(0, request.emitted_text_len - longest)
+    hits = [i for i in (text.find(s, start) for s in request.sampling.stop) if i >= 0]
+    if not hits:
+        return False
+    request.detokenizer.text = text[: min(hits)]
+    return True
+
+
+def releasable_text(request: EngineRequest) -> str:
+    """New text safe to send: with stop strings, hold back a tail that could still become one."""
+    text = request.detokenizer.text
+    end = len(text)
+    if request.sampling.stop and not request.is_finished:
+        end = max(request.emitted_text_len, end - (max(len(s) for s in request.sampling.stop) - 1))
+    released = text[request.emitted_text_len : end]
+    request.emitted_text_len = end
+    return released

@@ -1,0 +1,157 @@
+"""The gRPC edge: converts messages and delegates to the engine; one place maps errors to
+status codes. Binds 127.0.0.1 unless told otherwise; with an API key, every call except the
+health service needs ``authorization: Bearer <key>``."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from cluster.api.v1 import kvray_pb2 as pb
+from cluster.api.v1 import kvray_pb2_grpc as pb_grpc
+from cluster.engine import (
+    AsyncEngine,
+    EngineDeadError,
+    InvalidRequestError,
+    OverloadedError,
+    RequestOutput,
+)
+from cluster.server_info import server_info
+from workers.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+SERVICE_NAME = "kvray.v1.Engine"
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+
+
+def sampling_from_proto(request: pb.GenerateRequest) -> SamplingParams:
+    message = request.sampling
+    fields = {name: getattr(message, name) for name in SAMPLING_FIELDS if message.HasField(name)}
+    try:
+        return SamplingParams(
+            **fields,
+            stop=tuple(message.stop),
+            stop_token_ids=tuple(message.stop_token_ids),
+            ignore_eos=message.ignore_eos,
+        )
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc)) from None
+
+
+def response_from_output(output: RequestOutput) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(
+        request_id=output.request_id,
+        token_ids=output.token_ids,
+        text=output.text,
+        finish_reason=output.finish_reason or "",
+    )
+    if output.finish_reason is not None:
+        response.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=output.prompt_tokens,
+                completion_tokens=output.completion_tokens,
+                cached_prompt_tokens=output.cached_prompt_tokens,
+            )
+        )
+    return response
+
+
+class EngineServicer(pb_grpc.EngineServicer):
+    def __init__(self, engine: AsyncEngine, info: dict):
+        self.engine = engine
+        self.info = info
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        try:
+            if request.WhichOneof("prompt") is None:
+                raise InvalidRequestError("Give a prompt: text or token_ids.")
+            _refuse_unknown_fields(request)
+            prompt = request.text if request.HasField("text") else list(request.token_ids.ids)
+            engine_request = self.engine.prepare(
+                prompt, sampling_from_proto(request), request.request_id or None
+            )
+            async for output in self.engine.generate(engine_request):
+                yield response_from_output(output)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except OverloadedError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except EngineDeadError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+    async def Abort(self, request: pb.AbortRequest, context):
+        return pb.AbortResponse(aborted=self.engine.abort(request.request_id))
+
+    async def GetServerInfo(self, request, context):
+        return server_info(self.engine, self.info)
+
+
+def _refuse_unknown_fields(message) -> None:
+    from google.protobuf import unknown_fields
+
+    for part in (message, message.sampling):
+        if len(unknown_fields.UnknownFieldSet(part)):
+            raise InvalidRequestError(
+                "The request has fields this server does not know (a newer client?); "
+                "known GenerateRequest fields: request_id, text, token_ids, sampling."
+            )
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Every kvray call needs the key; the health service never does (probes have no key)."""
+
+    def __init__(self, api_key: str):
+        self._expected = f"Bearer {api_key}".encode()
+
+        async def deny(request, context):
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "Missing or wrong API key: send 'authorization: Bearer <key>'.",
+            )
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation, details):
+        if details.method.startswith("/grpc.health.v1.Health/"):
+            return await continuation(details)
+        sent = dict(details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(sent.encode(), self._expected):
+            return await continuation(details)
+        return self._deny_stream if details.method.endswith("/Generate") else self._deny_unary
+
+
+class ApiServer:
+    def __init__(
+        self, engine: AsyncEngine, info: dict, *, host: str, port: int, api_key: str | None = None
+    ):
+        interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
+        self.server = grpc.aio.server(interceptors=interceptors)
+        pb_grpc.add_EngineServicer_to_server(EngineServicer(engine, info), self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind the gRPC server to {host}:{port}")
+        self.address = f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self.set_serving(True)
+        logger.info("kvray gRPC API on %s", self.address)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
+
+    async def stop(self, grace: float = 2.0) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace)

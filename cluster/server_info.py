@@ -1,0 +1,41 @@
+"""``GetServerInfo``: the static plan plus the cache's current occupancy."""
+
+from __future__ import annotations
+
+from cluster.api.v1 import kvray_pb2 as pb
+from kvcore import KVCacheConfig
+
+
+def static_info(model: str, tp_size: int, backend: str, kv_config: KVCacheConfig) -> dict:
+    groups = [
+        pb.KVCacheGroup(
+            layer_names=list(group.layer_names),
+            spec_type=type(group.kv_cache_spec).__name__,
+            block_size=group.kv_cache_spec.block_size,
+            page_size_bytes=group.kv_cache_spec.page_size_bytes,
+        )
+        for group in kv_config.kv_cache_groups
+    ]
+    return dict(
+        model=model,
+        tensor_parallel_size=tp_size,
+        attention_backend=backend,
+        kv_cache_layout=kv_config.layout,
+        scheduler_block_size=kv_config.scheduler_block_size,
+        hash_block_size=kv_config.hash_block_size,
+        groups=groups,
+        num_blocks=kv_config.num_blocks,
+        capacity_tokens=kv_config.capacity_tokens,
+        max_model_len=kv_config.max_model_len,
+        max_concurrency=kv_config.max_concurrency,
+    )
+
+
+def server_info(engine, info: dict) -> pb.ServerInfo:
+    scheduler = engine.scheduler
+    return pb.ServerInfo(
+        **info,
+        num_free_blocks=scheduler.coordinator.num_free_blocks,
+        num_running_requests=len(scheduler.running),
+        num_waiting_requests=len(scheduler.waiting),
+    )

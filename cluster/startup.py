@@ -1,0 +1,65 @@
+"""The startup handshake, once every rank has reported: check that every rank's geometry
+follows from the model config and TP size, resolve the layout, and plan the KV cache with
+the smallest rank's memory, so every rank gets the same ``KVCacheConfig``."""
+
+from __future__ import annotations
+
+import logging
+
+from cluster.config import EngineConfig
+from kernels.backends import get_attention_backend
+from kvcore import (
+    KVCacheConfig,
+    RankReport,
+    check_rank_reports,
+    get_kv_cache_configs,
+    resolve_kv_cache_layout,
+)
+from workers.kv_specs import global_kv_cache_specs
+from workers.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def max_model_len_for(config: EngineConfig, model_config: ModelConfig) -> int:
+    return config.max_model_len or model_config.max_position_embeddings
+
+
+def plan_kv_cache(
+    reports: list[RankReport], model_config: ModelConfig, config: EngineConfig
+) -> KVCacheConfig:
+    backend = get_attention_backend(config.attention_backend)
+    kv_dtype = config.dtype or model_config.dtype
+    global_specs = global_kv_cache_specs(model_config, config.block_size, kv_dtype)
+    check_rank_reports(
+        reports, global_specs, config.tensor_parallel_size, customize_spec=backend.customize_spec
+    )
+    ordered = sorted(reports, key=lambda r: r.rank)
+    layout = resolve_kv_cache_layout(
+        config.kv_cache_layout,
+        [r.supported_layouts for r in ordered],
+        ordered[0].specs.values(),
+    )
+    max_model_len = max_model_len_for(config, model_config)
+    configs = get_kv_cache_configs(
+        [r.specs for r in ordered],
+        [r.free_memory_bytes for r in ordered],
+        layout,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        enable_prefix_caching=config.enable_prefix_caching,
+        num_blocks_override=config.num_gpu_blocks_override,
+    )
+    plan = configs[0]
+    logger.info(
+        "KV cache: %d blocks of %d tokens, %d tokens, max concurrency %.2fx at %d tokens, "
+        "layout %s, %d group(s)",
+        plan.num_blocks,
+        plan.scheduler_block_size,
+        plan.capacity_tokens,
+        plan.max_concurrency,
+        max_model_len,
+        plan.layout,
+        len(plan.kv_cache_groups),
+    )
+    return plan

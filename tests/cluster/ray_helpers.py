@@ -1,0 +1,28 @@
+"""Shared pieces of the Ray-backed serving tests."""
+
+from __future__ import annotations
+
+import ray
+
+from cluster.client import Client
+from cluster.config import EngineConfig
+from cluster.controller import start_controller
+
+BASE = dict(kv_cache_memory_bytes=8 << 20, port=0, max_model_len=256, max_num_batched_tokens=64)
+PROMPTS = ["first prompt", "a second, longer prompt", [7, 8, 9, 10, 11]]
+
+
+def serve(**overrides):
+    """Start a controller; returns (handle, its address)."""
+    handle, info = start_controller(EngineConfig(**{**BASE, **overrides}))
+    return handle, info["address"]
+
+
+def greedy_tokens(address: str, max_tokens: int = 16) -> list[list[int]]:
+    with Client(address, timeout=120) as client:
+        return [client.generate(p, max_tokens=max_tokens, temperature=0).token_ids for p in PROMPTS]
+
+
+def stop(handle) -> None:
+    ray.get(handle.stop.remote())
+    ray.kill(handle)

@@ -1,0 +1,149 @@
+"""The ``kvray`` command as a user runs it: subprocesses, real output, real exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+KVRAY = [sys.executable, "-m", "cluster.cli"]
+SMALL = ["--kv-cache-memory", "16MiB", "--max-model-len", "256", "--log-level", "WARNING"]
+
+
+def run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([*KVRAY, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_plan_prints_groups_strides_and_capacity():
+    result = run("plan", "--kv-cache-memory", "64MiB", "--max-model-len", "1024")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "blocks: 1024 x 65536 bytes" in out
+    assert "fits: 16384 tokens, max concurrency 16.00x at 1024 tokens" in out
+    assert "FullAttentionSpec: 4 layers, block 16 tokens, page 16384 bytes" in out
+    for layout in ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"):
+        assert f"  {layout}: 4 layers (" in out
+    assert "BLHNC: 4 layers (16384, 65536, 0)" in out
+
+
+def test_plan_for_a_checkpoint_at_tp2(tmp_path):
+    from tests.workers.hf_models import save_model
+
+    model_dir = save_model("qwen3-sliding", tmp_path)
+    result = run(
+        "plan",
+        "--model",
+        str(model_dir),
+        "-tp",
+        "2",
+        "--kv-cache-memory",
+        "1MiB",
+        "--max-model-len",
+        "128",
+        "--block-size",
+        "4",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Qwen3ForCausalLM), TP 2" in result.stdout
+    assert "SlidingWindowSpec: 2 layers, block 4 tokens, page 512 bytes (H=1 N=4 C=128)" in (
+        result.stdout
+    )
+    assert "fits: 2016 tokens, max concurrency 15.75x at 128 tokens" in result.stdout
+
+
+def test_generate_on_a_local_ray_prints_json_with_token_ids():
+    result = run(
+        "generate",
+        "--prompt",
+        "Hello",
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "0",
+        "--output",
+        "json",
+        *SMALL,
+    )
+    assert result.returncode == 0, result.stderr
+    completion = json.loads(result.stdout)
+    assert len(completion["token_ids"]) == 6
+    assert completion["finish_reason"] == "length"
+    assert completion["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 6,
+        "cached_prompt_tokens": 0,
+    }
+    text = run(
+        "generate",
+        "--in-process",
+        "--prompt-token-ids",
+        "72,101,108",
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "0",
+        *SMALL,
+    )
+    assert text.returncode == 0 and len(text.stdout.strip()) > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--kv-cache-layout", "XYZ"], "Unknown KV cache layout 'XYZ'"),
+        (["--kv-cache-memory", "lots"], "not a size"),
+        (["--attention-backend", "cuda-magic"], "Unknown attention backend"),
+    ],
+)
+def test_bad_settings_fail_with_a_message(args, message):
+    result = run("generate", "--in-process", "--prompt", "x", *SMALL, *args)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def test_serve_then_generate_against_it():
+    server = subprocess.Popen(
+        [*KVRAY, "serve", "--port", "0", *SMALL, "-tp", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},  # a fresh local Ray
+    )
+    try:
+        address, seen = None, []
+        deadline = time.monotonic() + 180
+        while address is None and time.monotonic() < deadline:
+            line = server.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            if line.startswith("kvray: serving"):
+                address = line.split(" on ")[1].split()[0]
+        assert address, "kvray serve did not report its address:\n" + "".join(seen)
+        result = run(
+            "generate",
+            "--server",
+            address,
+            "--prompt",
+            "Hello",
+            "--max-tokens",
+            "5",
+            "--temperature",
+            "0",
+            "--output",
+            "json",
+        )
+        assert result.returncode == 0, result.stderr
+        assert len(json.loads(result.stdout)["token_ids"]) == 5
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    assert server.returncode == 0

@@ -1,0 +1,88 @@
+"""Serving through the Ray controller on a real local Ray cluster: TP=1 and TP=2 give the
+in-process engine's greedy tokens, and losing a worker fails in-flight requests promptly."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+
+from cluster.client import Client, UnavailableError
+from cluster.config import EngineConfig
+from cluster.local import LocalServer
+from tests.cluster.ray_helpers import BASE, greedy_tokens, serve, stop
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=4, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference_tokens():
+    with LocalServer(EngineConfig(**BASE)) as server:
+        return greedy_tokens(server.address)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_controller_serves_the_same_tokens(local_ray, reference_tokens, tp):
+    handle, address = serve(tensor_parallel_size=tp, kv_cache_layout="BLHNC")
+    try:
+        assert greedy_tokens(address) == reference_tokens
+        with Client(address) as client:
+            info = client.info()
+            assert info["tensor_parallel_size"] == tp
+            assert info["kv_cache_layout"] == "BLHNC"
+            deltas = list(client.stream("streamed", max_tokens=8, temperature=0))
+            assert sum(len(d.token_ids) for d in deltas) == 8
+    finally:
+        stop(handle)
+
+
+def test_a_lost_worker_fails_requests_promptly(local_ray):
+    handle, address = serve(tensor_parallel_size=2)
+    try:
+        errors = []
+
+        def long_request():
+            try:
+                with Client(address, timeout=120) as client:
+                    list(
+                        client.stream(
+                            "never finishes", max_tokens=250, temperature=0, ignore_eos=True
+                        )
+                    )
+            except UnavailableError as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        time.sleep(1.0)
+        workers = ray.get(handle.worker_handles.remote())
+        killed_at = time.monotonic()
+        ray.kill(workers[1])
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+        assert time.monotonic() - killed_at < 30
+        assert errors and "lost a worker" in str(errors[0])
+        with Client(address) as client:
+            assert client.health() == "NOT_SERVING"
+            with pytest.raises(UnavailableError, match="lost a worker"):
+                client.generate("after the loss", max_tokens=2)
+    finally:
+        stop(handle)
+
+
+def test_placement_that_cannot_fit_says_what_was_asked(local_ray):
+    from cluster.config import EngineConfig
+    from cluster.controller import start_controller
+
+    with pytest.raises(ray.exceptions.RayTaskError) as info:
+        start_controller(EngineConfig(**BASE, tensor_parallel_size=8, placement_timeout_s=3))
+    message = str(info.value)
+    assert "Could not place 8 TP rank(s) of {'CPU': 1}" in message
+    assert "The cluster has" in message and "'CPU': 4.0" in message
