@@ -1,0 +1,75 @@
+"""Loading deploy/ manifests and validating them offline: KubeRay objects against the CRD
+schemas in ../shared/crds, core objects against Kubernetes' own schemas."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+CRD_FILES = {
+    "RayCluster": "ray.io_rayclusters.yaml",
+    "RayJob": "ray.io_rayjobs.yaml",
+    "RayService": "ray.io_rayservices.yaml",
+}
+KUBERNETES_VERSION = "1.33"
+
+
+def crd_directory() -> Path:
+    for candidate in (ROOT / "shared" / "crds", ROOT.parent / "shared" / "crds"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError("the KubeRay CRD schemas (shared/crds) are not beside the checkout")
+
+
+def manifests() -> list[tuple[str, dict]]:
+    """(file name, object) for every document of every deploy/*.yaml."""
+    found = []
+    for path in sorted(DEPLOY.glob("*.yaml")):
+        for document in yaml.safe_load_all(path.read_text()):
+            if document:
+                found.append((path.name, document))
+    return found
+
+
+def crd_schema(kind: str, version: str) -> dict:
+    crd = yaml.safe_load((crd_directory() / CRD_FILES[kind]).read_text())
+    (entry,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    return _openapi_to_jsonschema(entry["schema"]["openAPIV3Schema"])
+
+
+def _openapi_to_jsonschema(node):
+    """OpenAPI v3 schema -> JSON Schema: int-or-string fields accept both."""
+    if isinstance(node, list):
+        return [_openapi_to_jsonschema(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: _openapi_to_jsonschema(value) for key, value in node.items()}
+    if node.pop("x-kubernetes-int-or-string", False):
+        node.pop("type", None)
+        node.setdefault("anyOf", [{"type": "integer"}, {"type": "string"}])
+    return node
+
+
+def validate(document: dict) -> None:
+    """Raise (jsonschema or kubernetes_validate ValidationError) unless ``document`` is valid."""
+    kind = document["kind"]
+    if kind in CRD_FILES:
+        group_version = document["apiVersion"]
+        assert group_version.startswith("ray.io/"), group_version
+        schema = crd_schema(kind, group_version.split("/", 1)[1])
+        jsonschema.validate(copy.deepcopy(document), schema)
+    else:
+        kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
+
+
+def containers(document: dict) -> list[dict]:
+    spec = document["spec"]
+    cluster = spec.get("rayClusterSpec", spec) if document["kind"] == "RayJob" else spec
+    groups = [cluster["headGroupSpec"], *cluster.get("workerGroupSpecs", [])]
+    return [c for g in groups for c in g["template"]["spec"]["containers"]]
