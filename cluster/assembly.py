@@ -10,7 +10,7 @@ from cluster.server import ApiServer
 from cluster.server_info import static_info
 from kvcore import KVCacheConfig
 from kvcore.coordinator import KVCacheCoordinator
-from workers.default_model import DEFAULT_MODEL_NAME
+from workers.default_model import is_embedded, model_display_name
 from workers.model_config import ModelConfig
 from workers.tokenizer import load_tokenizer
 
@@ -32,7 +32,8 @@ def build_engine(
             eos_token_ids=model_config.eos_token_ids,
         ),
     )
-    tokenizer = load_tokenizer(config.model, model_config.eos_token_ids)
+    model_dir = None if is_embedded(config.model) else config.model
+    tokenizer = load_tokenizer(model_dir, model_config.eos_token_ids)
     return AsyncEngine(
         scheduler,
         transport,
@@ -45,9 +46,10 @@ def build_engine(
 
 def build_server(config: EngineConfig, engine: AsyncEngine, kv_config: KVCacheConfig) -> ApiServer:
     info = static_info(
-        config.model or DEFAULT_MODEL_NAME,
+        model_display_name(config.model),
         config.tensor_parallel_size,
         config.attention_backend,
         kv_config,
+        engine.vocab_size,
     )
     return ApiServer(engine, info, host=config.host, port=config.port, api_key=config.api_key)

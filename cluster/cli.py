@@ -141,6 +141,66 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def add_bench_parser(commands, common) -> None:
+    from cluster.bench.workload import parse_range
+
+    bench = commands.add_parser("bench", help="measure throughput, latency, prefix caching")
+    modes = bench.add_subparsers(dest="mode", required=True)
+    shared = argparse.ArgumentParser(add_help=False, parents=[common])
+    shared.add_argument("--num-prompts", type=int, default=64)
+    shared.add_argument("--seed", type=int, default=0)
+    shared.add_argument("--output-json", default=None, help="also write the results here")
+
+    throughput = modes.add_parser(
+        "throughput", parents=[shared], help="offline: all requests at once through an engine"
+    )
+    throughput.add_argument(
+        "--input-len",
+        type=parse_range,
+        default=(32, 256),
+        help="prompt lengths, e.g. 32-256 (default)",
+    )
+    throughput.add_argument(
+        "--output-len",
+        type=parse_range,
+        default=(16, 256),
+        help="output lengths, e.g. 16-256 (default)",
+    )
+    throughput.add_argument(
+        "--compare",
+        choices=["none", "transformers"],
+        default="none",
+        help="also run the requests through transformers' generate",
+    )
+    throughput.add_argument(
+        "--hf-batch-size",
+        type=int,
+        default=16,
+        help="static batch size of the transformers run (default 16)",
+    )
+    add_engine_flags(throughput)
+
+    serve = modes.add_parser("serve", parents=[shared], help="latency against a running server")
+    serve.add_argument("--server", required=True, help="HOST:PORT")
+    serve.add_argument("--api-key", default=env_default("KVRAY_API_KEY"))
+    serve.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests per second, Poisson arrivals (default: all at once)",
+    )
+    serve.add_argument("--input-len", type=parse_range, default=(32, 256))
+    serve.add_argument("--output-len", type=parse_range, default=(16, 256))
+
+    prefix = modes.add_parser(
+        "prefix", parents=[shared], help="a shared-prefix workload with caching on and off"
+    )
+    prefix.add_argument("--prompt-len", type=int, default=512)
+    prefix.add_argument("--shared-fraction", type=float, default=0.9)
+    prefix.add_argument("--output-len", type=int, default=16)
+    add_engine_flags(prefix)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvray", description=__doc__.splitlines()[0])
     common = argparse.ArgumentParser(add_help=False)
@@ -212,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_flags(batch)
 
+    add_bench_parser(commands, common)
+
     plan = commands.add_parser(
         "plan", parents=[common], help="print the KV-cache plan without loading weights"
     )
@@ -233,13 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     from cluster import commands
 
     try:
-        run = {
-            "serve": commands.serve,
-            "generate": commands.generate,
-            "batch": commands.batch,
-            "plan": commands.plan,
-        }[args.command]
-        return run(args)
+        return getattr(commands, args.command)(args)  # one function per subcommand
     except (ValueError, OSError) as exc:
         print(f"kvray {args.command}: error: {exc}", file=sys.stderr)
         return 2

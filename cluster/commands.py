@@ -12,8 +12,7 @@ from contextlib import contextmanager
 
 from cluster.cli import engine_config
 from cluster.client import Client
-from workers.default_model import DEFAULT_CONFIG, DEFAULT_MODEL_NAME
-from workers.model_config import load_model_config
+from workers.default_model import model_config_for, model_display_name
 
 
 def serve(args) -> int:
@@ -25,7 +24,7 @@ def serve(args) -> int:
     ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=True)
     handle, info = start_controller(config)
     print(
-        f"kvray: serving {config.model or DEFAULT_MODEL_NAME} on {info['address']} "
+        f"kvray: serving {model_display_name(config.model)} on {info['address']} "
         f"(TP {config.tensor_parallel_size}); KV cache: {info['num_blocks']} blocks, "
         f"{info['capacity_tokens']} tokens, max concurrency {info['max_concurrency']:.2f}x, "
         f"layout {info['layout']}",
@@ -140,11 +139,26 @@ def _print_generation(client: Client, args) -> int:
     return 0
 
 
+def bench(args) -> int:
+    from cluster.bench import modes
+    from cluster.bench.report import format_table, write_json
+
+    if args.mode == "serve":
+        rows = modes.serve(args)
+    else:
+        rows = getattr(modes, args.mode)(engine_config(args), args)
+    print(format_table(f"kvray bench {args.mode}", rows))
+    if args.output_json:
+        settings = {k: v for k, v in vars(args).items() if k not in ("command", "mode")}
+        write_json(args.output_json, args.mode, settings, rows)
+    return 0
+
+
 def plan(args) -> int:
     from cluster.plan_report import plan_report
 
     config = engine_config(args)
-    model_config = DEFAULT_CONFIG if config.model is None else load_model_config(config.model)
+    model_config = model_config_for(config.model)
     layouts = None if args.layouts == "all" else args.layouts.split(",")
     print(plan_report(config, model_config, layouts))
     return 0

@@ -17,8 +17,7 @@ from cluster.startup import plan_kv_cache
 from cluster.transport import RayActorTransport
 from kvcore import RankReport, decode, encode
 from workers.actor import remote_worker_class
-from workers.default_model import DEFAULT_CONFIG
-from workers.model_config import load_model_config
+from workers.default_model import model_config_for
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +30,7 @@ class Controller:
     def __init__(self, config_bytes: bytes):
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         self.config = decode(config_bytes, EngineConfig)
-        self.model_config = (
-            DEFAULT_CONFIG if self.config.model is None else load_model_config(self.config.model)
-        )
+        self.model_config = model_config_for(self.config.model)
         self.workers: list = []
         self.pg = None
         self.engine = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from cluster.scheduler.detokenizer import IncrementalDetokenizer
 from cluster.scheduler.request import EngineRequest
 from cluster.scheduler.scheduler import Scheduler
 from cluster.scheduler.stop import releasable_text
+from cluster.stats import EngineStats
 from cluster.transport import StepTransport, WorkerLostError
 from kvcore.kv_request import KVRequest
 from workers.sampling import SamplingParams
@@ -73,6 +75,7 @@ class AsyncEngine:
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self.on_death = None  # called once when a worker is lost
+        self.stats = EngineStats()
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -164,6 +167,7 @@ class AsyncEngine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            started = time.perf_counter()
             step = self.scheduler.schedule()
             if step.is_empty:
                 await asyncio.sleep(0.001)  # blocked on memory: let aborts and frees arrive
@@ -176,6 +180,9 @@ class AsyncEngine:
             self.num_steps += 1
             for request in self.scheduler.update(step, result):
                 self._deliver(request)
+            self.stats.record_step(time.perf_counter() - started, result.forward_seconds)
+            if self.stats.wants_waste_sample():
+                self.stats.record_waste(*self.scheduler.kv_slot_usage())
 
     def _deliver(self, request: EngineRequest) -> None:
         stream = self._streams.get(request.request_id)

@@ -10,6 +10,7 @@ from kvcore import (
     get_kv_cache_config,
     resolve_kv_cache_layout,
 )
+from workers.default_model import model_display_name
 from workers.kv_specs import rank_kv_cache_specs
 
 
@@ -35,7 +36,7 @@ def plan_report(config: EngineConfig, model_config, layouts: list[str] | None = 
     )
     kv = get_kv_cache_config(specs, memory, chosen, **options)
     lines = [
-        f"model: {config.model or 'kvray-default-tiny'} ({model_config.architecture}), "
+        f"model: {model_display_name(config.model)} ({model_config.architecture}), "
         f"TP {tp}, {model_config.num_hidden_layers} layers",
         f"layout: {kv.layout}; KV memory per rank: {memory} bytes",
         f"blocks: {kv.num_blocks} x {kv.bytes_per_block} bytes; scheduler block "

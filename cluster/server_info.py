@@ -6,7 +6,9 @@ from cluster.api.v1 import kvray_pb2 as pb
 from kvcore import KVCacheConfig
 
 
-def static_info(model: str, tp_size: int, backend: str, kv_config: KVCacheConfig) -> dict:
+def static_info(
+    model: str, tp_size: int, backend: str, kv_config: KVCacheConfig, vocab_size: int
+) -> dict:
     groups = [
         pb.KVCacheGroup(
             layer_names=list(group.layer_names),
@@ -28,6 +30,7 @@ def static_info(model: str, tp_size: int, backend: str, kv_config: KVCacheConfig
         capacity_tokens=kv_config.capacity_tokens,
         max_model_len=kv_config.max_model_len,
         max_concurrency=kv_config.max_concurrency,
+        vocab_size=vocab_size,
     )
 
 
@@ -38,4 +41,5 @@ def server_info(engine, info: dict) -> pb.ServerInfo:
         num_free_blocks=scheduler.coordinator.num_free_blocks,
         num_running_requests=len(scheduler.running),
         num_waiting_requests=len(scheduler.waiting),
+        **engine.stats.summary(),
     )

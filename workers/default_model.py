@@ -4,14 +4,16 @@ end to end; its output is deterministic but, being untrained, not meaningful tex
 
 from __future__ import annotations
 
+import msgspec
 import torch
 from torch import nn
 
-from workers.model_config import ModelConfig
+from workers.model_config import ModelConfig, load_model_config
 from workers.tokenizer import ByteTokenizer
 
 DEFAULT_MODEL_NAME = "kvray-default-tiny"
 DEFAULT_SEED = 1234
+EMBEDDED_PREFIX = "embedded:"
 
 DEFAULT_CONFIG = ModelConfig(
     architecture="LlamaForCausalLM",
@@ -29,6 +31,41 @@ DEFAULT_CONFIG = ModelConfig(
     eos_token_ids=(ByteTokenizer.EOS,),
     bos_token_id=ByteTokenizer.BOS,
 )
+
+
+# A ~19M-parameter sibling of the default, for benchmarks (``--model embedded:20m``).
+BENCH_20M_CONFIG = msgspec.structs.replace(
+    DEFAULT_CONFIG,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    layer_types=("full_attention",) * 6,
+)
+EMBEDDED_CONFIGS = {"tiny": DEFAULT_CONFIG, "20m": BENCH_20M_CONFIG}
+
+
+def is_embedded(model: str | None) -> bool:
+    return model is None or model.startswith(EMBEDDED_PREFIX)
+
+
+def model_config_for(model: str | None) -> ModelConfig:
+    """The config of a model directory, or of an embedded model (None = ``embedded:tiny``)."""
+    if not is_embedded(model):
+        return load_model_config(model)
+    name = "tiny" if model is None else model[len(EMBEDDED_PREFIX) :]
+    if name not in EMBEDDED_CONFIGS:
+        raise ValueError(
+            f"Unknown embedded model {model!r}; choose one of "
+            f"{[EMBEDDED_PREFIX + n for n in EMBEDDED_CONFIGS]} or a model directory"
+        )
+    return EMBEDDED_CONFIGS[name]
+
+
+def model_display_name(model: str | None) -> str:
+    return DEFAULT_MODEL_NAME if model is None else model
 
 
 def default_checkpoint(config: ModelConfig = DEFAULT_CONFIG) -> dict[str, torch.Tensor]:
@@ -72,7 +109,7 @@ def default_checkpoint(config: ModelConfig = DEFAULT_CONFIG) -> dict[str, torch.
 
 
 def load_default_weights(model: nn.Module) -> None:
-    """Fill ``model`` (built from ``DEFAULT_CONFIG``) through the same loaders as a checkpoint."""
+    """Fill ``model`` (built from an embedded config) through the checkpoint loaders."""
     from workers.loader import load_state_dict
 
     load_state_dict(model, default_checkpoint(model.config))

@@ -9,6 +9,7 @@ token history stays identical.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -63,8 +64,11 @@ class ModelRunner:
         batch = self._schedule(plan)
         if not batch.request_ids:
             return StepResult()
+        started = time.perf_counter()
         hidden = self._forward(batch)
-        return self._sample(batch, hidden)
+        forward_seconds = time.perf_counter() - started
+        sampled = self._sample(batch, hidden)
+        return StepResult(sampled=sampled, forward_seconds=forward_seconds)
 
     def _update_state(self, plan: StepPlan) -> None:
         for request_id in plan.finished_ids:
@@ -124,7 +128,7 @@ class ModelRunner:
         with torch.inference_mode(), set_forward_context(context):
             return self.model(token_ids, positions)  # [T, hidden]
 
-    def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor) -> StepResult:
+    def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor) -> dict[str, int]:
         rows, last_indices = [], []
         end = 0
         for request_id, query_len, seq_len in zip(
@@ -135,7 +139,7 @@ class ModelRunner:
                 rows.append(request_id)
                 last_indices.append(end - 1)
         if not rows:
-            return StepResult()
+            return {}
         with torch.inference_mode():
             logits = self.model.compute_logits(hidden[last_indices])  # [R, vocab]
         tokens = torch.zeros(len(rows), dtype=torch.long, device=self.device)
@@ -145,4 +149,4 @@ class ModelRunner:
         tokens = broadcast_from_first(tokens).tolist()
         for request_id, token in zip(rows, tokens, strict=True):
             self.requests[request_id].token_ids.append(token)
-        return StepResult(sampled=dict(zip(rows, tokens, strict=True)))
+        return dict(zip(rows, tokens, strict=True))

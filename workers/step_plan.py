@@ -52,3 +52,5 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True):
     # Request id -> the token sampled this step, for requests that reached their last known
     # token (a request in the middle of a chunked prefill samples nothing).
     sampled: dict[str, int] = {}
+    # Seconds this rank spent in the model forward (the rest of a step is overhead).
+    forward_seconds: float = 0.0

@@ -16,11 +16,11 @@ import torch
 
 from kernels.backends import get_attention_backend
 from kvcore import KVCacheConfig, RankReport, decode, encode
-from workers.default_model import DEFAULT_CONFIG, load_default_weights
+from workers.default_model import is_embedded, load_default_weights, model_config_for
 from workers.kv_cache import allocate_kv_cache
 from workers.kv_specs import rank_kv_cache_specs
 from workers.loader import load_weights
-from workers.model_config import ModelConfig, load_model_config
+from workers.model_config import ModelConfig
 from workers.models import model_class_for
 from workers.parallel import destroy_tp_group, get_tp_group, init_tp_group
 from workers.profiling import profile_forward
@@ -33,7 +33,7 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 @dataclass(frozen=True)
 class WorkerOptions:
-    model: str | None = None  # a Hugging Face model directory; None = the embedded default
+    model: str | None = None  # a Hugging Face directory, or "embedded:NAME"; None = default
     tensor_parallel_size: int = 1
     block_size: int = 16
     attention_backend: str = "torch"
@@ -52,9 +52,7 @@ class Worker:
             options.device or ("cuda" if torch.cuda.is_available() else "cpu")
         )
         self.backend = get_attention_backend(options.attention_backend)
-        self.model_config: ModelConfig = (
-            DEFAULT_CONFIG if options.model is None else load_model_config(options.model)
-        )
+        self.model_config: ModelConfig = model_config_for(options.model)
         self.model = None
         self.runner: ModelRunner | None = None
         self._raw_kv_cache: torch.Tensor | None = None
@@ -72,7 +70,7 @@ class Worker:
         dtype = TORCH_DTYPES[self.options.dtype or self.model_config.dtype]
         with torch.device(self.device):
             model = model_class_for(self.model_config)(self.model_config, dtype)
-        if self.options.model is None:
+        if is_embedded(self.options.model):
             load_default_weights(model)
         else:
             load_weights(model, Path(self.options.model), show_progress=self.rank == 0)

@@ -196,3 +196,19 @@ class Scheduler:
                 self.finish(request, reason)
             touched.append(request)
         return touched
+
+    def kv_slot_usage(self) -> tuple[int, int]:
+        """(token slots in blocks the running requests hold, slots holding a computed token),
+        over every KV-cache group. Null entries (blocks a window gave back) are not held."""
+        block_sizes = [g.kv_cache_spec.block_size for g in self.coordinator.config.kv_cache_groups]
+        allocated = used = 0
+        for request in self.running:
+            computed = request.kv.num_computed_tokens
+            for size, ids in zip(
+                block_sizes, self.coordinator.get_block_ids(request.kv), strict=True
+            ):
+                for index, block_id in enumerate(ids):
+                    if block_id:
+                        allocated += size
+                        used += min(size, max(0, computed - index * size))
+        return allocated, used

@@ -186,6 +186,9 @@ def test_server_info_and_health(kind, client):
     assert len(info["groups"][0]["layer_names"]) == 4
     assert 0 < info["num_free_blocks"] < info["num_blocks"]
     assert info["capacity_tokens"] > 0
+    assert info["vocab_size"] == 258
+    assert info["num_steps"] > 0 and info["step_overhead_median_ms"] > 0
+    assert 0 <= info["kv_memory_waste"] < 1
     assert client.health() == "SERVING"
 
 

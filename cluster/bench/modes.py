@@ -1,0 +1,154 @@
+"""The three ``kvray bench`` modes. Each returns rows (dicts) for the report."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import contextmanager
+
+import msgspec
+
+from cluster.bench.measure import latency_summary, run_requests
+from cluster.bench.workload import random_requests, shared_prefix_requests
+from cluster.client import Client
+from cluster.config import EngineConfig
+from workers.default_model import model_config_for
+
+ENGINE_STAT_KEYS = (
+    "kv_memory_waste",
+    "step_overhead_median_ms",
+    "step_overhead_p99_ms",
+    "num_steps",
+)
+
+
+@contextmanager
+def engine(config: EngineConfig):
+    """An engine for one benchmark run: in this process at TP 1, on Ray otherwise."""
+    if config.tensor_parallel_size == 1:
+        from cluster.local import LocalServer
+
+        with LocalServer(msgspec.structs.replace(config, port=0)) as server:
+            yield server.address
+    else:
+        from cluster.commands import local_engine
+
+        with local_engine(msgspec.structs.replace(config, port=0)) as address:
+            yield address
+
+
+def engine_stats(address: str) -> dict:
+    with Client(address) as client:
+        info = client.info()
+    return {key: info[key] for key in ENGINE_STAT_KEYS}
+
+
+def throughput(config: EngineConfig, args) -> list[dict]:
+    vocab = model_config_for(config.model).vocab_size
+    requests = random_requests(
+        args.num_prompts, args.input_len, args.output_len, vocab_size=vocab, seed=args.seed
+    )
+    with engine(config) as address:
+        timings, wall = asyncio.run(run_requests(address, requests))
+        stats = engine_stats(address)
+    output_tokens = sum(t.num_output_tokens for t in timings)
+    total_tokens = output_tokens + sum(t.num_prompt_tokens for t in timings)
+    rows = [
+        {
+            "engine": "kvray",
+            "requests": len(timings),
+            "duration_s": wall,
+            "output_tokens_per_s": output_tokens / wall,
+            "total_tokens_per_s": total_tokens / wall,
+            **stats,
+        }
+    ]
+    if args.compare == "transformers":
+        from cluster.bench.hf_baseline import hf_generate_throughput
+
+        baseline = hf_generate_throughput(config.model, requests, args.hf_batch_size)
+        baseline["kvray_speedup"] = rows[0]["output_tokens_per_s"] / baseline["output_tokens_per_s"]
+        rows.append(baseline)
+    return rows
+
+
+def serve(args) -> list[dict]:
+    """Against a running server (its model's vocabulary is read from GetServerInfo)."""
+    with Client(args.server, api_key=args.api_key) as client:
+        vocab = client.info()["vocab_size"]
+    requests = random_requests(
+        args.num_prompts, args.input_len, args.output_len, vocab_size=vocab, seed=args.seed
+    )
+    timings, wall = asyncio.run(
+        run_requests(
+            args.server,
+            requests,
+            request_rate=args.request_rate,
+            seed=args.seed,
+            api_key=args.api_key,
+        )
+    )
+    with Client(args.server, api_key=args.api_key) as client:
+        info = client.info()
+    return [
+        {
+            "request_rate": args.request_rate,
+            **latency_summary(timings, wall),
+            **{key: info[key] for key in ENGINE_STAT_KEYS},
+        }
+    ]
+
+
+def prefix(config: EngineConfig, args) -> list[dict]:
+    """A shared-prefix workload with caching on and off, and a 0%-hit workload with caching
+    on (what caching costs when nothing hits)."""
+    vocab = model_config_for(config.model).vocab_size
+    prompt_len = args.prompt_len
+    shared_len = int(prompt_len * args.shared_fraction)
+    workloads = {
+        "shared": shared_prefix_requests(
+            args.num_prompts,
+            shared_len,
+            prompt_len - shared_len,
+            args.output_len,
+            vocab_size=vocab,
+            seed=args.seed,
+        ),
+        "no-hit": shared_prefix_requests(
+            args.num_prompts, 0, prompt_len, args.output_len, vocab_size=vocab, seed=args.seed
+        ),
+    }
+    rows = []
+    for workload, caching in (
+        ("shared", True),
+        ("shared", False),
+        ("no-hit", True),
+        ("no-hit", False),
+    ):
+        requests = workloads[workload]
+        run_config = msgspec.structs.replace(config, enable_prefix_caching=caching)
+        with engine(run_config) as address:
+            # One request first, so the shared prefix is cached before the measured ones.
+            asyncio.run(run_requests(address, requests[:1]))
+            timings, wall = asyncio.run(run_requests(address, requests[1:]))
+            stats = engine_stats(address)
+        summary = latency_summary(timings, wall)
+        rows.append(
+            {
+                "workload": workload,
+                "prefix_caching": caching,
+                "cached_prompt_tokens": sum(t.num_cached_tokens for t in timings),
+                **{
+                    k: summary[k]
+                    for k in (
+                        "requests",
+                        "duration_s",
+                        "ttft_ms_mean",
+                        "ttft_ms_median",
+                        "ttft_ms_p99",
+                        "output_tokens_per_s",
+                    )
+                },
+                **stats,
+            }
+        )
+    return rows

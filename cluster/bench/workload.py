@@ -1,0 +1,54 @@
+"""Benchmark requests: random token ids with lengths drawn from ranges, from a fixed seed."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt: list[int]
+    max_tokens: int
+
+
+def random_requests(
+    num: int,
+    input_range: tuple[int, int],
+    output_range: tuple[int, int],
+    *,
+    vocab_size: int,
+    seed: int = 0,
+) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    return [
+        BenchRequest(
+            prompt=[rng.randrange(vocab_size) for _ in range(rng.randint(*input_range))],
+            max_tokens=rng.randint(*output_range),
+        )
+        for _ in range(num)
+    ]
+
+
+def shared_prefix_requests(
+    num: int, prefix_len: int, suffix_len: int, output_len: int, *, vocab_size: int, seed: int = 0
+) -> list[BenchRequest]:
+    """Every prompt starts with the same ``prefix_len`` tokens (``prefix_len = 0``: none)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(vocab_size) for _ in range(prefix_len)]
+    return [
+        BenchRequest(
+            prompt=prefix + [rng.randrange(vocab_size) for _ in range(suffix_len)],
+            max_tokens=output_len,
+        )
+        for _ in range(num)
+    ]
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """``"32-256"`` or ``"64"`` -> (low, high)."""
+    low, _, high = text.partition("-")
+    bounds = (int(low), int(high or low))
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise ValueError(f"not a length range: {text!r} (use e.g. 32-256)")
+    return bounds
