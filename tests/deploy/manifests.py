@@ -21,10 +21,10 @@ KUBERNETES_VERSION = "1.33"
 
 
 def crd_directory() -> Path:
-    for candidate in (ROOT / "shared" / "crds", ROOT.parent / "shared" / "crds"):
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError("the KubeRay CRD schemas (shared/crds) are not beside the checkout")
+    """The project's shared CRD schemas when they sit beside the checkout, else the copy in
+    deploy/crds (so a fresh clone validates too)."""
+    shared = ROOT.parent / "shared" / "crds"
+    return shared if shared.is_dir() else DEPLOY / "crds"
 
 
 def manifests() -> list[tuple[str, dict]]:
