@@ -44,3 +44,18 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid engine settings: {', '.join(bad)} (got {self})")
+
+    def worker_options(self):
+        """What each TP rank's worker needs of these settings (a ``WorkerOptions``)."""
+        from workers.worker import WorkerOptions  # torch-heavy; only engines need it
+
+        return WorkerOptions(
+            model=self.model,
+            tensor_parallel_size=self.tensor_parallel_size,
+            block_size=self.block_size,
+            attention_backend=self.attention_backend,
+            dtype=self.dtype,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+        )

@@ -12,7 +12,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.assembly import build_engine, build_server
 from cluster.config import EngineConfig
-from cluster.local import worker_options
 from cluster.startup import plan_kv_cache
 from cluster.transport import RayActorTransport
 from kvcore import RankReport, decode, encode
@@ -77,7 +76,7 @@ class Controller:
 
     async def _start_workers(self, use_gpu: bool) -> None:
         actor_class = remote_worker_class(num_cpus=1, num_gpus=1 if use_gpu else 0)
-        options = worker_options(self.config)
+        options = self.config.worker_options()
         self.workers = [
             actor_class.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(

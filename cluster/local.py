@@ -14,20 +14,7 @@ from cluster.config import EngineConfig
 from cluster.startup import plan_kv_cache
 from cluster.transport import InProcessTransport
 from kvcore import RankReport, decode, encode
-from workers.worker import Worker, WorkerOptions
-
-
-def worker_options(config: EngineConfig) -> WorkerOptions:
-    return WorkerOptions(
-        model=config.model,
-        tensor_parallel_size=config.tensor_parallel_size,
-        block_size=config.block_size,
-        attention_backend=config.attention_backend,
-        dtype=config.dtype,
-        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-    )
+from workers.worker import Worker
 
 
 class LocalServer:
@@ -35,7 +22,7 @@ class LocalServer:
         if config.tensor_parallel_size != 1:
             raise ValueError("The in-process server runs TP=1; use kvray serve for more ranks.")
         self.config = config
-        self.worker = Worker(0, worker_options(config))
+        self.worker = Worker(0, config.worker_options())
         self.worker.init_tp_group(None)
         self.worker.load_model()
         report = decode(self.worker.report_specs(), RankReport)

@@ -61,15 +61,16 @@ def build_attention_metadata(
     starts = [0]
     for query_len in query_lens:
         starts.append(starts[-1] + query_len)
-    max_num_blocks = max((len(table) for table in block_tables), default=0)
-    table = torch.zeros((len(seq_lens), max(max_num_blocks, 1)), dtype=torch.int32)
-    for i, row in enumerate(block_tables):
-        table[i, : len(row)] = torch.tensor(list(row), dtype=torch.int32)
+    table = _block_table(block_tables)
+    # One vectorised pass over every token, not a loop per request: this runs every step.
+    query_len_t = torch.tensor(list(query_lens), dtype=torch.int64)
+    request_of = torch.repeat_interleave(torch.arange(len(query_lens)), query_len_t)  # [T]
+    first_position = torch.tensor(list(seq_lens), dtype=torch.int64) - query_len_t
+    starts_t = torch.tensor(starts[:-1], dtype=torch.int64)
+    positions = first_position[request_of] + torch.arange(num_actual) - starts_t[request_of]
+    blocks = table[request_of, positions // block_size].to(torch.int64)
     slots = torch.full((num_tokens,), -1, dtype=torch.int64)
-    for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
-        positions = torch.arange(seq_len - query_len, seq_len)
-        blocks = table[i, positions // block_size].to(torch.int64)
-        slots[starts[i] : starts[i + 1]] = blocks * block_size + positions % block_size
+    slots[:num_actual] = blocks * block_size + positions % block_size
     return AttentionMetadata(
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
@@ -81,6 +82,16 @@ def build_attention_metadata(
         query_start_loc_cpu=tuple(starts),
         seq_lens_cpu=tuple(seq_lens),
     )
+
+
+def _block_table(block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
+    """``[num_reqs, max_num_blocks]`` int32, rows padded with 0 (the null block)."""
+    lengths = torch.tensor([len(row) for row in block_tables], dtype=torch.int64)
+    width = max(int(lengths.max()) if len(block_tables) else 0, 1)
+    table = torch.zeros((len(block_tables), width), dtype=torch.int32)
+    filled = torch.arange(width)[None, :] < lengths[:, None]  # row-major, like the flat ids
+    table[filled] = torch.tensor([b for row in block_tables for b in row], dtype=torch.int32)
+    return table
 
 
 def _check_batch(query_lens, seq_lens, block_tables, block_size) -> None:

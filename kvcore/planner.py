@@ -13,10 +13,10 @@ from collections.abc import Mapping, Sequence
 from kvcore._math import cdiv
 from kvcore.block_sizes import resolve_kv_cache_block_sizes
 from kvcore.errors import KVCacheLayoutError, KVCacheSpecError
-from kvcore.geometry import KVCacheTensor, compute_layout_strides
+from kvcore.geometry import KVCacheTensor, build_kv_cache_tensor
 from kvcore.grouping import get_kv_cache_groups
 from kvcore.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
-from kvcore.layout import KVCacheLayout, L, valid_layout_names
+from kvcore.layout import KVCacheLayout, valid_layout_names
 from kvcore.spec_base import KVCacheSpec
 from kvcore.uniform_spec import UniformTypeKVCacheSpecs, iter_layer_specs
 
@@ -66,16 +66,12 @@ def build_kv_cache_tensors(
         byte_offset = 0  # bytes of one block taken by the specs before this one
         for spec, names in by_spec.items():
             page = spec.page_size_bytes
-            strides = compute_layout_strides(
-                spec,
-                num_blocks,
-                len(names),
-                layout,
-                fixed_strides=(None, interleaved, None, None, None),
+            tensor = build_kv_cache_tensor(
+                spec, names, num_blocks, layout, block_stride=interleaved, size=size
             )
             # Layer-outer layouts scale the in-block offset by the block count.
-            offset = byte_offset * max(strides[L], page) // page
-            tensors.append(KVCacheTensor(size, names, strides[0], strides[1], offset))
+            tensor.offset = byte_offset * max(tensor.layer_stride, page) // page
+            tensors.append(tensor)
             byte_offset += len(names) * page
     return tensors
 

@@ -64,9 +64,7 @@ class ModelRunner:
         batch = self._schedule(plan)
         if not batch.request_ids:
             return StepResult()
-        started = time.perf_counter()
-        hidden = self._forward(batch)
-        forward_seconds = time.perf_counter() - started
+        hidden, forward_seconds = self._forward(batch)
         sampled = self._sample(batch, hidden)
         return StepResult(sampled=sampled, forward_seconds=forward_seconds)
 
@@ -106,7 +104,9 @@ class ModelRunner:
             batch.positions.extend(range(start, end))
         return batch
 
-    def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
+    def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, float]:
+        """Hidden states ``[T, hidden]``, and the seconds of the model call alone (metadata
+        building counts as step overhead)."""
         metadata_per_group = [
             self.backend.build_metadata(
                 batch.query_lens,
@@ -126,7 +126,9 @@ class ModelRunner:
         token_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
         with torch.inference_mode(), set_forward_context(context):
-            return self.model(token_ids, positions)  # [T, hidden]
+            started = time.perf_counter()
+            hidden = self.model(token_ids, positions)  # [T, hidden]
+            return hidden, time.perf_counter() - started
 
     def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor) -> dict[str, int]:
         rows, last_indices = [], []

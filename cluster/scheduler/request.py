@@ -32,7 +32,6 @@ class EngineRequest:
     finish_reason: str | None = None
     # Output pending delivery to the client since the last step.
     pending_token_ids: list[int] = field(default_factory=list)
-    pending_text: str = ""
     emitted_text_len: int = 0  # characters already sent, for stop-string hold-back
 
     @property

@@ -7,7 +7,7 @@ ever sees step plans, exactly as it would from the controller.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvcore import KVCacheConfig
 from workers.sampling import SamplingParams
@@ -24,7 +24,6 @@ class DriverRequest:
     num_computed: int = 0
     num_output: int = 0
     is_new: bool = True
-    pending_blocks: list[list[int]] = field(default_factory=list)
 
 
 class StepDriver:
