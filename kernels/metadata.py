@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+HOST = torch.device("cpu")  # where the per-step lists are turned into tensors
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -62,14 +64,18 @@ def build_attention_metadata(
     for query_len in query_lens:
         starts.append(starts[-1] + query_len)
     table = _block_table(block_tables)
-    # One vectorised pass over every token, not a loop per request: this runs every step.
-    query_len_t = torch.tensor(list(query_lens), dtype=torch.int64)
-    request_of = torch.repeat_interleave(torch.arange(len(query_lens)), query_len_t)  # [T]
-    first_position = torch.tensor(list(seq_lens), dtype=torch.int64) - query_len_t
-    starts_t = torch.tensor(starts[:-1], dtype=torch.int64)
-    positions = first_position[request_of] + torch.arange(num_actual) - starts_t[request_of]
+    # One vectorised pass over every token, not a loop per request: this runs every step. It
+    # runs on the host (the lists live there); only the results move to ``device``.
+    query_len_t = torch.tensor(list(query_lens), dtype=torch.int64, device=HOST)
+    request_of = torch.repeat_interleave(
+        torch.arange(len(query_lens), device=HOST), query_len_t
+    )  # [T]
+    first_position = torch.tensor(list(seq_lens), dtype=torch.int64, device=HOST) - query_len_t
+    starts_t = torch.tensor(starts[:-1], dtype=torch.int64, device=HOST)
+    offsets = torch.arange(num_actual, device=HOST) - starts_t[request_of]
+    positions = first_position[request_of] + offsets
     blocks = table[request_of, positions // block_size].to(torch.int64)
-    slots = torch.full((num_tokens,), -1, dtype=torch.int64)
+    slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=HOST)
     slots[:num_actual] = blocks * block_size + positions % block_size
     return AttentionMetadata(
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
@@ -86,11 +92,12 @@ def build_attention_metadata(
 
 def _block_table(block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
     """``[num_reqs, max_num_blocks]`` int32, rows padded with 0 (the null block)."""
-    lengths = torch.tensor([len(row) for row in block_tables], dtype=torch.int64)
+    lengths = torch.tensor([len(row) for row in block_tables], dtype=torch.int64, device=HOST)
     width = max(int(lengths.max()) if len(block_tables) else 0, 1)
-    table = torch.zeros((len(block_tables), width), dtype=torch.int32)
-    filled = torch.arange(width)[None, :] < lengths[:, None]  # row-major, like the flat ids
-    table[filled] = torch.tensor([b for row in block_tables for b in row], dtype=torch.int32)
+    table = torch.zeros((len(block_tables), width), dtype=torch.int32, device=HOST)
+    filled = torch.arange(width, device=HOST)[None, :] < lengths[:, None]  # row-major, like ids
+    flat = [b for row in block_tables for b in row]
+    table[filled] = torch.tensor(flat, dtype=torch.int32, device=HOST)
     return table
 
 

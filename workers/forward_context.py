@@ -16,7 +16,6 @@ from typing import Any
 class ForwardContext:
     backend: Any  # the attention backend serving this forward
     metadata_by_layer: Mapping[str, Any]  # layer name -> its KV-cache group's step metadata
-    requires_kv_cache: bool = True  # False only for the cacheless memory-profiling forward
 
 
 _current: ForwardContext | None = None

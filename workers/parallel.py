@@ -39,13 +39,12 @@ def pick_rendezvous(host: str = "127.0.0.1") -> str:
     return f"tcp://{host}:{port}"
 
 
-def init_tp_group(rank: int, world_size: int, init_method: str | None, backend: str | None = None):
-    """Join the TP group. ``backend`` defaults to NCCL on CUDA and gloo elsewhere."""
+def init_tp_group(rank: int, world_size: int, init_method: str | None, *, backend: str):
+    """Join the TP group over ``backend`` ("nccl" between GPUs, "gloo" between CPUs)."""
     global _group
     if world_size > 1:
         if init_method is None:
             raise ValueError("A tensor-parallel group of more than one rank needs an init_method")
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     _group = TPGroup(rank=rank, world_size=world_size)
     return _group

@@ -1,38 +1,96 @@
-"""A forward pass over a full step's worth of tokens, without a KV cache, so the peak
-activation memory can be measured before the cache takes the rest of the device."""
+"""The profiling step: the largest step the engine will run, before the KV cache takes the
+rest of the device, so its peak memory can be measured (see ``workers.memory``).
+
+It runs through the same parts as serving (the model runner, the serving attention backend
+over a paged cache, the sampler with top-k and top-p on), so every temporary a real step makes
+is in the peak. The cache it writes is a scratch one, just big enough, unbound afterwards.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
-import torch.nn.functional as F
 
-from workers.forward_context import ForwardContext, set_forward_context
+from kernels.backends import AttentionBackend
+from kvcore import KVCacheSpec, get_kv_cache_config_from_groups, get_kv_cache_groups
+from kvcore._math import cdiv
+from workers.kv_cache import allocate_kv_cache
+from workers.runner import ModelRunner
+from workers.sampling import SamplingParams
+from workers.step_plan import NewRequest, StepPlan
 
-
-class _CachelessAttention:
-    """Causal attention over the step's own tokens (one sequence); touches no cache."""
-
-    def forward(self, query, key, value, kv_cache, metadata, params):
-        groups = query.shape[1] // key.shape[1]
-        q = query.transpose(0, 1)  # [T, Hq, D] -> [Hq, T, D]
-        k = key.repeat_interleave(groups, dim=1).transpose(0, 1)
-        v = value.repeat_interleave(groups, dim=1).transpose(0, 1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=params.scale)
-        return out.transpose(0, 1)  # [T, Hq, D]
+# Sampled rows use every filter, so the sort and its temporaries are in the peak.
+PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=1)
 
 
-class _AnyLayer(dict):
-    def __missing__(self, key):
-        return None
+def profile_request_lens(num_tokens: int, num_seqs: int, max_len: int) -> list[int]:
+    """``num_tokens`` prompt tokens over ``min(num_seqs, num_tokens)`` requests: one as long
+    as it may be (the largest attention), the others one token each (the most sampled rows)."""
+    lens = [1] * max(1, min(num_seqs, num_tokens))
+    remaining = num_tokens - len(lens)
+    for index in range(len(lens)):
+        extra = min(remaining, max_len - lens[index])
+        lens[index] += extra
+        remaining -= extra
+    return lens
 
 
-def profile_forward(model, num_tokens: int, device: torch.device) -> torch.Tensor:
-    """Run ``model`` on ``num_tokens`` dummy tokens; returns the logits of the last one."""
-    token_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
-    positions = torch.arange(num_tokens, device=device)
-    context = ForwardContext(
-        backend=_CachelessAttention(), metadata_by_layer=_AnyLayer(), requires_kv_cache=False
+def run_profile_step(
+    model,
+    backend: AttentionBackend,
+    specs: Mapping[str, KVCacheSpec],
+    *,
+    num_tokens: int,
+    num_seqs: int,
+    max_len: int,
+    device: torch.device,
+) -> int:
+    """Run one step of ``num_tokens`` tokens over ``num_seqs`` requests, each of at most
+    ``max_len`` tokens, all sampled; returns the bytes of the scratch KV cache it used."""
+    lens = profile_request_lens(num_tokens, num_seqs, max_len)
+    layout = backend.supported_kv_cache_layouts()[0]
+    groups = get_kv_cache_groups(specs, layout)
+    blocks_per_group = [
+        [cdiv(n, g.kv_cache_spec.block_size) for n in lens] for g in groups
+    ]  # [G][R]
+    num_blocks = 1 + sum(sum(row) for row in blocks_per_group)  # block 0 is the null block
+    config = get_kv_cache_config_from_groups(
+        groups,
+        0,
+        layout,
+        max_model_len=max(lens) + 1,
+        max_num_batched_tokens=num_tokens,
+        enable_prefix_caching=False,
+        num_blocks_override=num_blocks,
     )
-    with torch.inference_mode(), set_forward_context(context):
-        hidden = model(token_ids, positions)
-        return model.compute_logits(hidden[-1:])
+    layers = model.attention_layers()
+    scratch = allocate_kv_cache(config, layers, backend, device)
+    try:
+        runner = ModelRunner(model, backend, config, device)
+        runner.execute(StepPlan(new_requests=_profile_requests(lens, blocks_per_group)))
+        return scratch.numel() * scratch.element_size()
+    finally:
+        for layer in layers.values():
+            layer.kv_cache = None  # the real cache binds its own views later
+        del scratch
+
+
+def _profile_requests(lens: list[int], blocks_per_group: list[list[int]]) -> list[NewRequest]:
+    next_block = 1
+    block_ids: list[list[list[int]]] = [[] for _ in lens]  # [R][G]
+    for group_counts in blocks_per_group:
+        for index, count in enumerate(group_counts):
+            block_ids[index].append(list(range(next_block, next_block + count)))
+            next_block += count
+    return [
+        NewRequest(
+            request_id=f"profile-{index}",
+            token_ids=[0] * length,
+            sampling=PROFILE_SAMPLING,
+            block_ids=block_ids[index],
+            num_computed_tokens=0,
+            num_new_tokens=length,
+        )
+        for index, length in enumerate(lens)
+    ]

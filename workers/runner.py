@@ -51,7 +51,7 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(device)
         self.requests: dict[str, RunnerRequest] = {}
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.device)
         # Which group each attention layer's blocks come from.
         self.layer_groups = {
             name: index
@@ -69,6 +69,8 @@ class ModelRunner:
         return StepResult(sampled=sampled, forward_seconds=forward_seconds)
 
     def _update_state(self, plan: StepPlan) -> None:
+        for request_id in plan.preempted_ids:
+            self.requests.pop(request_id, None)
         for request_id in plan.finished_ids:
             self.requests.pop(request_id, None)
             self.sampler.remove_request(request_id)
@@ -144,10 +146,11 @@ class ModelRunner:
             return {}
         with torch.inference_mode():
             logits = self.model.compute_logits(hidden[last_indices])  # [R, vocab]
-        tokens = torch.zeros(len(rows), dtype=torch.long, device=self.device)
         if get_tp_group().is_first_rank:
             params = [self.requests[r].sampling for r in rows]
-            tokens = torch.tensor(self.sampler.sample(logits, rows, params), device=self.device)
+            tokens = self.sampler.sample(logits, rows, params)  # [R] int64 on self.device
+        else:
+            tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
         tokens = broadcast_from_first(tokens).tolist()
         for request_id, token in zip(rows, tokens, strict=True):
             self.requests[request_id].token_ids.append(token)

@@ -38,8 +38,11 @@ class RequestDelta(msgspec.Struct, frozen=True, kw_only=True):
 class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
     new_requests: list[NewRequest] = []
     deltas: list[RequestDelta] = []
-    # Requests that ended (finished, aborted or preempted) since the last step; forget them.
+    # Requests that ended for good (finished or aborted) since the last step; forget them.
     finished_ids: list[str] = []
+    # Requests preempted since the last step: forget their tokens and blocks, but keep their
+    # sampling state (a seeded generator continues when the request comes back as new).
+    preempted_ids: list[str] = []
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -17,13 +17,15 @@ import torch
 from kernels.backends import get_attention_backend
 from kvcore import KVCacheConfig, RankReport, decode, encode
 from workers.default_model import is_embedded, load_default_weights, model_config_for
+from workers.device import distributed_backend, select_device
 from workers.kv_cache import allocate_kv_cache
 from workers.kv_specs import rank_kv_cache_specs
 from workers.loader import load_weights
+from workers.memory import CudaMemoryProbe, MemorySnapshot, kv_cache_budget
 from workers.model_config import ModelConfig
 from workers.models import model_class_for
 from workers.parallel import destroy_tp_group, get_tp_group, init_tp_group
-from workers.profiling import profile_forward
+from workers.profiling import run_profile_step
 from workers.runner import ModelRunner
 from workers.step_plan import StepPlan
 
@@ -40,17 +42,22 @@ class WorkerOptions:
     dtype: str | None = None  # None: the checkpoint's dtype
     kv_cache_memory_bytes: int | None = None  # the CPU budget (ignored on CUDA)
     gpu_memory_utilization: float = 0.9
-    device: str | None = None  # None: CUDA when available, else CPU
+    # "cuda" when the placement reserved a GPU (then a missing GPU is an error), "cpu", or
+    # None: GPU 0 when torch sees one, else the CPU.
+    device: str | None = None
     max_num_batched_tokens: int = 2048  # the largest step, for the memory profile
+    max_num_seqs: int = 256  # the most sampled rows in a step, for the memory profile
 
 
 class Worker:
     def __init__(self, rank: int, options: WorkerOptions):
         self.rank = rank
         self.options = options
-        self.device = torch.device(
-            options.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        )
+        self.device = select_device(options.device)
+        # Measures the device around startup to size the cache; None on CPUs, whose cache
+        # size is given.
+        self.memory = CudaMemoryProbe(self.device) if self.device.type == "cuda" else None
+        self._memory_before_load: MemorySnapshot | None = None
         self.backend = get_attention_backend(options.attention_backend)
         self.model_config: ModelConfig = model_config_for(options.model)
         self.model = None
@@ -62,11 +69,19 @@ class Worker:
     def init_tp_group(self, init_method: str | None) -> int:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        init_tp_group(self.rank, self.options.tensor_parallel_size, init_method)
+        init_tp_group(
+            self.rank,
+            self.options.tensor_parallel_size,
+            init_method,
+            backend=distributed_backend(self.device),
+        )
         return self.rank
 
     def load_model(self) -> None:
         started = time.perf_counter()
+        if self.memory is not None:
+            self.memory.reset_peak()
+            self._memory_before_load = self.memory.snapshot()
         dtype = TORCH_DTYPES[self.options.dtype or self.model_config.dtype]
         with torch.device(self.device):
             model = model_class_for(self.model_config)(self.model_config, dtype)
@@ -95,23 +110,43 @@ class Worker:
             rank=tp.rank,
             specs=specs,
             supported_layouts=[layout.name for layout in self.backend.supported_kv_cache_layouts()],
-            free_memory_bytes=self._free_cache_memory(),
+            free_memory_bytes=self._free_cache_memory(specs),
         )
         return encode(report)
 
-    def _free_cache_memory(self) -> int:
-        """On CPU, the explicit budget; on CUDA, what is left of the device's allowed share
-        after the weights and a profiling forward."""
-        if self.device.type != "cuda":
+    def _free_cache_memory(self, specs) -> int:
+        """On CPU, the explicit budget; on a GPU, its allowed share less the weights, a
+        full-size step's peak and what grew outside PyTorch's allocator (``workers.memory``)."""
+        if self.memory is None:
             if self.options.kv_cache_memory_bytes is None:
                 raise ValueError("On CPU the KV cache budget must be given (--kv-cache-memory).")
             return self.options.kv_cache_memory_bytes
-        torch.cuda.reset_peak_memory_stats(self.device)
-        profile_forward(self.model, self.options.max_num_batched_tokens, self.device)
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        # The weights and a full-budget forward's activations are not the cache's to use.
-        peak = torch.cuda.max_memory_allocated(self.device)
-        return max(0, int(total * self.options.gpu_memory_utilization) - peak)
+        if self._memory_before_load is None:
+            raise RuntimeError("report_specs() before load_model()")
+        started = time.perf_counter()
+        scratch_bytes = run_profile_step(
+            self.model,
+            self.backend,
+            specs,
+            num_tokens=self.options.max_num_batched_tokens,
+            num_seqs=self.options.max_num_seqs,
+            max_len=self.model_config.max_position_embeddings,
+            device=self.device,
+        )
+        self.memory.release_cached()
+        budget = kv_cache_budget(
+            self._memory_before_load,
+            self.memory.snapshot(),
+            self.options.gpu_memory_utilization,
+            scratch_bytes,
+        )
+        logger.info(
+            "rank %d: memory profile took %.1f s; %s",
+            self.rank,
+            time.perf_counter() - started,
+            budget.describe(),
+        )
+        return budget.kv_cache_bytes
 
     def allocate_kv_cache(self, config_bytes: bytes) -> int:
         config = decode(config_bytes, KVCacheConfig)

@@ -1,25 +1,22 @@
-"""The triton backend: the GPU path. On a CPU it runs only under the Triton interpreter."""
+"""The triton backend: the GPU path. On a CPU it runs only under the Triton interpreter.
+
+Building the backend, shaping specs (``customize_spec``) and listing layouts need neither a
+GPU nor triton itself: the controller plans with this backend on a node without GPUs, and
+``kvray plan`` runs on laptops where triton is not even installed. The kernel modules (and
+with them triton) load on the first launch, which is where a missing GPU is refused.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from kernels.backends.base import AttentionBackend
-from kernels.cache_write import write_kv
 from kernels.metadata import AttentionMetadata
-from kernels.paged_attention import is_interpreted, paged_attention
 from kernels.params import AttentionParams
 
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
-
-    def __init__(self) -> None:
-        if not (torch.cuda.is_available() or is_interpreted()):
-            raise RuntimeError(
-                "The triton attention backend needs a CUDA GPU, or TRITON_INTERPRET=1 set "
-                "before triton is first imported. Use the torch backend on CPU-only machines."
-            )
 
     def write_kv(
         self,
@@ -28,6 +25,9 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> None:
+        check_can_launch(kv_cache.device)
+        from kernels.cache_write import write_kv
+
         write_kv(key, value, kv_cache, metadata.slot_mapping)
 
     def attend(
@@ -38,4 +38,21 @@ class TritonAttentionBackend(AttentionBackend):
         params: AttentionParams,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        check_can_launch(kv_cache.device)
+        from kernels.paged_attention import paged_attention
+
         return paged_attention(query, kv_cache, metadata, params, out)
+
+
+def check_can_launch(device: torch.device) -> None:
+    """Triton kernels run on CUDA tensors, or on CPU tensors under the interpreter."""
+    if device.type == "cuda":
+        return
+    from kernels.paged_attention import is_interpreted
+
+    if not is_interpreted():
+        raise RuntimeError(
+            f"The triton attention backend cannot run on {device.type} tensors: it needs a "
+            "CUDA GPU, or TRITON_INTERPRET=1 set before triton is first imported. Use the "
+            "torch backend on CPU-only workers."
+        )

@@ -1,9 +1,11 @@
 """deploy/ manifests validate against the KubeRay CRDs and Kubernetes' schemas, follow the
 serving conventions (GPU requests equal limits, /dev/shm in memory, token auth, only gRPC
-exposed), run entrypoints kvray's own CLI accepts, and use the Ray version kvray pins."""
+exposed), run entrypoints kvray's own CLI accepts, keep each TP group in one pod, drain before
+they are killed, and use the Ray version kvray pins."""
 
 from __future__ import annotations
 
+import argparse
 import copy
 import re
 import shlex
@@ -53,26 +55,70 @@ def test_a_wrong_field_type_is_refused():
         validate(broken_service)
 
 
-def kvray_commands() -> list[str]:
-    commands = []
-    for _, document in RAY_OBJECTS:
-        if document["kind"] == "RayJob":
-            commands.append(document["spec"]["entrypoint"])
-        for container in containers(document):
-            for arg in container.get("args", []):
-                commands += [part.strip() for part in arg.split(";") if "kvray " in part]
+def commands_of(document: dict) -> list[str]:
+    """The kvray command lines of one Ray object: a RayJob's entrypoint, containers' args."""
+    commands = [document["spec"]["entrypoint"]] if document["kind"] == "RayJob" else []
+    for container in containers(document):
+        for arg in container.get("args", []):
+            commands += [part.strip() for part in arg.split(";") if "kvray " in part]
     return commands
+
+
+def kvray_commands() -> list[str]:
+    return [c for _, document in RAY_OBJECTS for c in commands_of(document)]
+
+
+def parse_kvray(command: str) -> argparse.Namespace:
+    words = shlex.split(command.replace("exec ", "", 1))
+    assert words[0] == "kvray", command
+    return build_parser().parse_args(words[1:])  # exits (fails the test) on an unknown flag
 
 
 def test_every_kvray_entrypoint_parses_with_the_cli():
     commands = kvray_commands()
     assert any(" serve " in f" {c} " for c in commands)
     assert any(" batch " in f" {c} " for c in commands)
-    parser = build_parser()
     for command in commands:
-        words = shlex.split(command.replace("exec ", "", 1))
-        assert words[0] == "kvray", command
-        parser.parse_args(words[1:])  # exits (fails the test) on an unknown flag
+        parse_kvray(command)
+
+
+@pytest.mark.parametrize(("name", "document"), RAY_OBJECTS, ids=ids(RAY_OBJECTS))
+def test_a_tp_group_fits_in_one_pod(name, document):
+    """STRICT_PACK keeps every rank on one node, so some worker pod must hold all TP GPUs."""
+    spec = document["spec"].get("rayClusterSpec", document["spec"])
+    gpus_per_pod = [
+        int(c["resources"]["limits"].get("nvidia.com/gpu", 0))
+        for group in spec["workerGroupSpecs"]
+        for c in group["template"]["spec"]["containers"]
+    ]
+    commands = commands_of(document)
+    assert commands
+    for command in commands:
+        args = parse_kvray(command)
+        assert args.placement_strategy == "STRICT_PACK", command
+        assert max(gpus_per_pod) >= args.tensor_parallel_size, (gpus_per_pod, command)
+
+
+def pre_stop_sleep(container: dict) -> int:
+    command = " ".join(container["lifecycle"]["preStop"]["exec"]["command"])
+    return int(re.fullmatch(r"/bin/sh -c sleep (\d+)", command).group(1))
+
+
+def test_the_serving_head_drains_before_it_is_killed():
+    """preStop sleep + --drain-timeout + a margin to stop the actors fit in the grace period,
+    and Ray (head and workers) outlives the drain."""
+    (cluster,) = [d for _, d in RAY_OBJECTS if d["kind"] == "RayCluster"]
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]
+    (kvray,) = [c for c in head["containers"] if c["name"] == "kvray"]
+    (command,) = commands_of(cluster)
+    assert "--drain-timeout" in shlex.split(command)
+    drained_by = pre_stop_sleep(kvray) + parse_kvray(command).drain_timeout
+    assert pre_stop_sleep(kvray) > 0
+    assert drained_by + 10 <= head["terminationGracePeriodSeconds"]
+    groups = [cluster["spec"]["headGroupSpec"], *cluster["spec"]["workerGroupSpecs"]]
+    for pod in (g["template"]["spec"] for g in groups):
+        (ray,) = [c for c in pod["containers"] if c["name"].startswith("ray-")]
+        assert drained_by + 5 <= pre_stop_sleep(ray) < pod["terminationGracePeriodSeconds"]
 
 
 @pytest.mark.parametrize(("name", "document"), RAY_OBJECTS, ids=ids(RAY_OBJECTS))

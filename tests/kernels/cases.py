@@ -17,7 +17,7 @@ from kernels.metadata import AttentionMetadata, build_attention_metadata
 from kernels.reference import write_kv_reference
 
 # Compiled kernels on a GPU; the Triton interpreter (see conftest.py) on a CPU.
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # Relative error bounds of the issue, per cache dtype.
 TOLERANCES = {"bfloat16": 2e-2, "float32": 1e-4}

@@ -62,7 +62,7 @@ def test_top_k_one_is_greedy_and_top_p_keeps_the_top_token():
     params = [SamplingParams(temperature=2.0, top_k=1)] * 2 + [
         SamplingParams(temperature=2.0, top_p=1e-6)
     ] * 2
-    assert sampler.sample(logits, ["a", "b", "c", "d"], params) == greedy
+    assert sampler.sample(logits, ["a", "b", "c", "d"], params).tolist() == greedy
 
 
 def test_top_k_restricts_the_draw():
@@ -70,7 +70,7 @@ def test_top_k_restricts_the_draw():
     logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(1))
     allowed = set(torch.topk(logits[0], 3).indices.tolist())
     params = [SamplingParams(temperature=5.0, top_k=3)]
-    draws = {sampler.sample(logits, ["x"], params)[0] for _ in range(200)}
+    draws = {int(sampler.sample(logits, ["x"], params)[0]) for _ in range(200)}
     assert draws <= allowed and len(draws) > 1
 
 

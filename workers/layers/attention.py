@@ -36,7 +36,7 @@ class Attention(nn.Module):
         """``query`` ``[T, Hq, D]``, ``key``/``value`` ``[T, Hk, D]`` -> ``[T, Hq * D]``."""
         context = get_forward_context()
         metadata = context.metadata_by_layer[self.layer_name]
-        if self.kv_cache is None and context.requires_kv_cache:
+        if self.kv_cache is None:
             raise RuntimeError(f"{self.layer_name}: no KV cache bound (allocate it first)")
         output = context.backend.forward(query, key, value, self.kv_cache, metadata, self.params)
         return output.reshape(query.shape[0], self.num_heads * self.head_size)

@@ -1,25 +1,12 @@
-"""The memory-profiling forward, and a backend that needs kernel blocks smaller than the
-scheduler's (the worker splits the views and still matches transformers)."""
+"""A backend that needs kernel blocks smaller than the scheduler's: the worker splits the
+views and still matches transformers."""
 
 from __future__ import annotations
-
-import torch
 
 from kernels.backends.torch_backend import TorchAttentionBackend
 from tests.workers.engine import KV_CACHE_MEMORY, run_requests
 from tests.workers.hf_models import PROMPTS, reference_generations, save_model
-from workers.default_model import DEFAULT_CONFIG, load_default_weights
-from workers.models.llama import LlamaForCausalLM
-from workers.profiling import profile_forward
 from workers.worker import Worker, WorkerOptions
-
-
-def test_profile_forward_runs_without_a_kv_cache():
-    model = LlamaForCausalLM(DEFAULT_CONFIG)
-    load_default_weights(model)
-    logits = profile_forward(model, 64, torch.device("cpu"))
-    assert logits.shape == (1, DEFAULT_CONFIG.vocab_size)
-    assert torch.isfinite(logits).all()
 
 
 class TwoTokenKernelBlocks(TorchAttentionBackend):

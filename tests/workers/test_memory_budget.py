@@ -1,0 +1,164 @@
+"""GPU KV-cache sizing without a GPU: the arithmetic from made-up ``mem_get_info`` and
+allocator figures, and the worker's real path (snapshot, profiling step through the serving
+backend and the sampler, snapshot, budget) on the CPU with a scripted memory probe."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.backends import get_attention_backend
+from kvcore import RankReport, decode, encode, get_kv_cache_config
+from tests.workers.harness import StepDriver
+from workers.memory import InsufficientGpuMemoryError, MemorySnapshot, kv_cache_budget
+from workers.profiling import profile_request_lens
+from workers.step_plan import StepResult
+from workers.worker import Worker, WorkerOptions
+
+GiB = 1 << 30
+
+
+def snapshot(*, free, allocated=0, reserved=None, peak=None, total=80 * GiB):
+    return MemorySnapshot(
+        total_bytes=total,
+        free_bytes=free,
+        torch_allocated_bytes=allocated,
+        torch_reserved_bytes=allocated if reserved is None else reserved,
+        torch_peak_bytes=allocated if peak is None else peak,
+    )
+
+
+# Before loading: 1 GiB in use (this process's CUDA context). After the profile, with the
+# allocator's cache released: 16 GiB of weights, a 3 GiB peak above them plus the 0.25 GiB
+# scratch cache, and NCCL's 0.5 GiB outside PyTorch's allocator.
+BEFORE = snapshot(free=79 * GiB)
+AFTER = snapshot(free=int(62.5 * GiB), allocated=16 * GiB, peak=int(19.25 * GiB))
+
+
+def test_the_cache_gets_the_share_less_weights_peak_and_non_torch_growth():
+    budget = kv_cache_budget(BEFORE, AFTER, 0.9, scratch_cache_bytes=GiB // 4)
+    assert budget.requested_bytes == int(80 * GiB * 0.9)
+    assert budget.weights_bytes == 16 * GiB
+    assert budget.activation_peak_bytes == 3 * GiB
+    assert budget.non_torch_increase_bytes == GiB // 2
+    assert budget.kv_cache_bytes == int(80 * GiB * 0.9) - 16 * GiB - 3 * GiB - GiB // 2
+    assert "KV cache 52.50 GiB" in budget.describe()
+
+
+def test_memory_other_processes_hold_must_leave_room_for_the_share():
+    crowded = snapshot(free=60 * GiB)  # someone else holds 20 GiB
+    with pytest.raises(InsufficientGpuMemoryError) as info:
+        kv_cache_budget(crowded, AFTER, 0.9)
+    message = str(info.value)
+    assert "60.00 GiB free of 80.00 GiB" in message and "share of 72.00 GiB" in message
+    assert "--gpu-memory-utilization 0.9" in message
+
+
+def test_no_room_left_for_the_cache_is_refused_with_the_breakdown():
+    huge_weights = snapshot(free=5 * GiB, allocated=70 * GiB, peak=74 * GiB)
+    with pytest.raises(InsufficientGpuMemoryError, match=r"weights 70\.00 GiB"):
+        kv_cache_budget(BEFORE, huge_weights, 0.9)
+
+
+def test_memory_taken_by_others_during_startup_counts_against_the_cache():
+    others_grew = snapshot(free=int(52.5 * GiB), allocated=16 * GiB, peak=int(19.25 * GiB))
+    budget = kv_cache_budget(BEFORE, others_grew, 0.9, scratch_cache_bytes=GiB // 4)
+    assert budget.non_torch_increase_bytes == int(10.5 * GiB)
+    assert budget.kv_cache_bytes == int(80 * GiB * 0.9) - 16 * GiB - 3 * GiB - int(10.5 * GiB)
+
+
+def test_profile_requests_cover_the_longest_prefill_and_the_most_sampled_rows():
+    assert profile_request_lens(2048, 256, 4096) == [1793] + [1] * 255
+    assert profile_request_lens(8, 256, 4096) == [1] * 8
+    assert profile_request_lens(100, 2, 60) == [60, 40]
+
+
+class ScriptedProbe:
+    """Stands in for ``CudaMemoryProbe``: scripted snapshots, recorded calls."""
+
+    def __init__(self, *snapshots):
+        self.snapshots = list(snapshots)
+        self.calls = []
+
+    def reset_peak(self):
+        self.calls.append("reset_peak")
+
+    def release_cached(self):
+        self.calls.append("release_cached")
+
+    def snapshot(self):
+        self.calls.append("snapshot")
+        return self.snapshots.pop(0)
+
+
+class RecordingBackend:
+    """The serving backend, recording the cache each attention call read."""
+
+    def __init__(self, backend):
+        self._backend = backend
+        self.caches = []
+
+    def forward(self, query, key, value, kv_cache, metadata, params, out=None):
+        self.caches.append(kv_cache)
+        return self._backend.forward(query, key, value, kv_cache, metadata, params, out)
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+def test_the_worker_profiles_through_the_serving_backend_and_sizes_from_the_probe(
+    backend_name, monkeypatch
+):
+    options = WorkerOptions(
+        attention_backend=backend_name, max_num_batched_tokens=40, max_num_seqs=6
+    )
+    worker = Worker(0, options)
+    worker.backend = RecordingBackend(get_attention_backend(backend_name))
+    worker.memory = ScriptedProbe(BEFORE, AFTER)
+    sampled_rows = []
+    worker.init_tp_group(None)
+    worker.load_model()
+    real_logits = worker.model.compute_logits
+    monkeypatch.setattr(
+        worker.model,
+        "compute_logits",
+        lambda hidden: sampled_rows.append(hidden.shape[0]) or real_logits(hidden),
+    )
+
+    report = decode(worker.report_specs(), RankReport)
+
+    assert worker.memory.calls == ["reset_peak", "snapshot", "release_cached", "snapshot"]
+    expected = kv_cache_budget(BEFORE, AFTER, 0.9, _scratch_bytes(worker)).kv_cache_bytes
+    assert report.free_memory_bytes == expected
+    num_layers = worker.model_config.num_hidden_layers
+    assert len(worker.backend.caches) == num_layers  # one step, every layer, paged
+    assert all(cache is not None and cache.dim() == 4 for cache in worker.backend.caches)
+    assert sampled_rows == [6]  # max_num_seqs rows of logits went through the sampler
+    assert all(layer.kv_cache is None for layer in worker.model.attention_layers().values())
+
+    # The real cache binds afterwards and serves as usual.
+    plan = get_kv_cache_config(
+        report.specs, 8 << 20, "LBNHC", max_model_len=256, max_num_batched_tokens=256
+    )
+    worker.allocate_kv_cache(encode(plan))
+    driver = StepDriver(
+        worker.runner.config, lambda plan: decode(worker.execute(encode(plan)), StepResult)
+    )
+    driver.next_block = 1
+    assert len(driver.generate([("r", list(b"hello"), 4)])["r"]) == 4
+
+
+def _scratch_bytes(worker) -> int:
+    """The scratch cache's size: the first cache each layer saw, all in one buffer."""
+    first = worker.backend.caches[0]
+    return first.untyped_storage().nbytes()
+
+
+def test_no_profiling_on_cpu_workers_whose_budget_is_given():
+    worker = Worker(0, WorkerOptions(kv_cache_memory_bytes=8 << 20))
+    assert worker.memory is None
+    worker.init_tp_group(None)
+    worker.load_model()
+    assert decode(worker.report_specs(), RankReport).free_memory_bytes == 8 << 20
+    assert torch.device("cpu") == worker.device
