@@ -116,6 +116,13 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
         default=env_default("KVRAY_API_KEY"),
         help="require 'authorization: Bearer <key>' on every call but health",
     )
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds in-flight requests may take to finish before they are "
+        "aborted (default 30)",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -138,6 +145,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         host=getattr(args, "host", "127.0.0.1"),
         port=getattr(args, "port", 0),
         api_key=getattr(args, "api_key", None),
+        drain_timeout_s=getattr(args, "drain_timeout", 30.0),
     )
 
 
@@ -233,7 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
     prompt = generate.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-token-ids", help="comma-separated token ids, e.g. 1,2,3")
-    generate.add_argument("--max-tokens", type=int, default=16)
+    generate.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="tokens to generate at most (default 16, or fewer when the prompt leaves less room)",
+    )
     generate.add_argument("--temperature", type=float, default=1.0)
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--top-k", type=int, default=0)

@@ -88,13 +88,18 @@ class Completion:
     usage: Usage
 
 
-def build_request(prompt: str | Sequence[int], request_id: str | None, sampling: dict):
+def build_request(
+    prompt: str | Sequence[int],
+    request_id: str | None,
+    sampling: dict,
+    cache_salt: str | None = None,
+):
     unknown = set(sampling) - SAMPLING_KEYS
     if unknown:
         raise TypeError(
             f"Unknown sampling keyword(s) {sorted(unknown)}; valid: {sorted(SAMPLING_KEYS)}"
         )
-    request = pb.GenerateRequest(request_id=request_id or "")
+    request = pb.GenerateRequest(request_id=request_id or "", cache_salt=cache_salt or "")
     if isinstance(prompt, str):
         request.text = prompt
     else:
@@ -161,9 +166,16 @@ class Client:
         self.timeout = timeout
 
     def stream(
-        self, prompt: str | Sequence[int], *, request_id: str | None = None, **sampling
+        self,
+        prompt: str | Sequence[int],
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        **sampling,
     ) -> Iterator[Delta]:
-        request = build_request(prompt, request_id, sampling)
+        """Deltas as they are made. ``cache_salt`` keeps the prompt out of the prefix-cache
+        hits of requests with another salt (a tenant's own cache)."""
+        request = build_request(prompt, request_id, sampling, cache_salt)
         call = self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
         try:
             for message in call:
@@ -174,9 +186,15 @@ class Client:
             call.cancel()  # a caller that stops iterating aborts the request
 
     def generate(
-        self, prompt: str | Sequence[int], *, request_id: str | None = None, **sampling
+        self,
+        prompt: str | Sequence[int],
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        **sampling,
     ) -> Completion:
-        return _collect(list(self.stream(prompt, request_id=request_id, **sampling)))
+        deltas = self.stream(prompt, request_id=request_id, cache_salt=cache_salt, **sampling)
+        return _collect(list(deltas))
 
     def abort(self, request_id: str) -> bool:
         try:
@@ -222,13 +240,19 @@ class AsyncClient:
     def __init__(self, address: str, api_key: str | None = None, timeout: float | None = None):
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = pb_grpc.EngineStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
         self._metadata = _metadata(api_key)
         self.timeout = timeout
 
     async def stream(
-        self, prompt: str | Sequence[int], *, request_id: str | None = None, **sampling
+        self,
+        prompt: str | Sequence[int],
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        **sampling,
     ) -> AsyncIterator[Delta]:
-        request = build_request(prompt, request_id, sampling)
+        request = build_request(prompt, request_id, sampling, cache_salt)
         call = self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
         try:
             async for message in call:
@@ -239,9 +263,15 @@ class AsyncClient:
             call.cancel()
 
     async def generate(
-        self, prompt: str | Sequence[int], *, request_id: str | None = None, **sampling
+        self,
+        prompt: str | Sequence[int],
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        **sampling,
     ) -> Completion:
-        return _collect([d async for d in self.stream(prompt, request_id=request_id, **sampling)])
+        deltas = self.stream(prompt, request_id=request_id, cache_salt=cache_salt, **sampling)
+        return _collect([d async for d in deltas])
 
     async def abort(self, request_id: str) -> bool:
         try:
@@ -262,6 +292,16 @@ class AsyncClient:
         except grpc.RpcError as error:
             raise _translate(error) from None
         return message_to_dict(reply)
+
+    async def health(self, service: str = "") -> str:
+        """``"SERVING"`` or ``"NOT_SERVING"`` (no API key needed)."""
+        try:
+            reply = await self._health.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=self.timeout
+            )
+        except grpc.RpcError as error:
+            raise _translate(error) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -34,7 +34,13 @@ def serve(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     stopping.wait()
-    print("kvray: shutting down", flush=True)
+    # Health turns NOT_SERVING and new requests are refused at once; running ones may finish.
+    print(
+        f"kvray: draining (up to {config.drain_timeout_s:g} s for requests in flight)",
+        flush=True,
+    )
+    aborted = ray.get(handle.drain.remote(config.drain_timeout_s))
+    print(f"kvray: shutting down ({aborted} request(s) aborted at the deadline)", flush=True)
     ray.get(handle.stop.remote())
     ray.shutdown()
     return 0

@@ -29,6 +29,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     placement_strategy: str = "PACK"
     placement_timeout_s: float = 120.0
     use_gpu: bool | None = None  # None: when the Ray cluster has GPUs
+    drain_timeout_s: float = 30.0  # on SIGTERM: how long in-flight requests may finish
+    max_rebuild_attempts: int = 3  # after a lost worker, before the engine gives up
 
     def __post_init__(self) -> None:
         checks = {
@@ -37,6 +39,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             "max_num_seqs": self.max_num_seqs >= 1,
             "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
             "gpu_memory_utilization": 0 < self.gpu_memory_utilization <= 1,
+            "drain_timeout_s": self.drain_timeout_s >= 0,
+            "max_rebuild_attempts": self.max_rebuild_attempts >= 0,
             "port": 0 <= self.port < 65536,
             "placement_strategy": self.placement_strategy
             in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
@@ -45,11 +49,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if bad:
             raise ValueError(f"invalid engine settings: {', '.join(bad)} (got {self})")
 
-    def worker_options(self):
-        """What each TP rank's worker needs of these settings (a ``WorkerOptions``)."""
+    def worker_options(self, device: str | None = None):
+        """What each TP rank's worker needs of these settings (a ``WorkerOptions``), on
+        ``device`` ("cuda" when the rank's placement reserved a GPU, "cpu", or None: any)."""
         from workers.worker import WorkerOptions  # torch-heavy; only engines need it
 
         return WorkerOptions(
+            device=device,
             model=self.model,
             tensor_parallel_size=self.tensor_parallel_size,
             block_size=self.block_size,
@@ -58,4 +64,5 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
         )

@@ -8,13 +8,17 @@ import logging
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
 
-from cluster.assembly import build_engine, build_server
+from cluster.assembly import build_engine, build_scheduler, build_server, connect_health
 from cluster.config import EngineConfig
+from cluster.scheduler.scheduler import Scheduler
 from cluster.startup import plan_kv_cache
 from cluster.transport import RayActorTransport
-from kvcore import RankReport, decode, encode
+from kvcore import KVCacheConfig, RankReport, decode, encode
 from workers.actor import remote_worker_class
 from workers.default_model import model_config_for
 
@@ -32,23 +36,23 @@ class Controller:
         self.model_config = model_config_for(self.config.model)
         self.workers: list = []
         self.pg = None
+        self.use_gpu = False
         self.engine = None
         self.server = None
 
     async def start(self) -> dict:
         """Place and start the workers, agree on the KV plan, start serving; returns the
         server address and the plan's headline figures."""
-        use_gpu = self.config.use_gpu
-        if use_gpu is None:
-            use_gpu = ray.cluster_resources().get("GPU", 0) > 0
-        await self._reserve(use_gpu)
-        await self._start_workers(use_gpu)
-        kv_config = await self._handshake()
+        if self.config.use_gpu is None:
+            self.use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        else:
+            self.use_gpu = self.config.use_gpu
+        transport, kv_config = await self._start_group()
         self.engine = build_engine(
-            self.config, self.model_config, kv_config, RayActorTransport(self.workers)
+            self.config, self.model_config, kv_config, transport, rebuild=self._rebuild
         )
         self.server = build_server(self.config, self.engine, kv_config)
-        self.engine.on_death = lambda: asyncio.ensure_future(self.server.set_serving(False))
+        connect_health(self.engine, self.server)
         self.engine.start()
         await self.server.start()
         return {
@@ -58,6 +62,26 @@ class Controller:
             "max_concurrency": kv_config.max_concurrency,
             "layout": kv_config.layout,
         }
+
+    async def _start_group(self) -> tuple[RayActorTransport, KVCacheConfig]:
+        """Placement group, one worker actor per rank, handshake, allocated caches."""
+        await self._reserve(self.use_gpu)
+        await self._start_workers(self.use_gpu)
+        return RayActorTransport(self.workers), await self._handshake()
+
+    async def _rebuild(self) -> tuple[RayActorTransport, Scheduler]:
+        """After a failure: a new worker group with a fresh cache, and its scheduler. Every
+        rank goes, the healthy ones too: a TP group with a dead member cannot be mended."""
+        self._tear_down_group()
+        transport, kv_config = await self._start_group()
+        return transport, build_scheduler(self.config, self.model_config, kv_config)
+
+    def _tear_down_group(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker)
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+        self.workers, self.pg = [], None
 
     async def _reserve(self, use_gpu: bool) -> None:
         bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
@@ -76,7 +100,8 @@ class Controller:
 
     async def _start_workers(self, use_gpu: bool) -> None:
         actor_class = remote_worker_class(num_cpus=1, num_gpus=1 if use_gpu else 0)
-        options = self.config.worker_options()
+        # A rank whose bundle reserved a GPU must run on it: never a silent CPU fallback.
+        options = self.config.worker_options(device="cuda" if use_gpu else "cpu")
         self.workers = [
             actor_class.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -104,27 +129,43 @@ class Controller:
         return list(await asyncio.gather(*(w.node_id.remote() for w in self.workers)))
 
     async def stats(self) -> dict:
-        """Counters tests and operators read: free blocks, preemptions, steps."""
+        """Counters tests and operators read: free blocks, preemptions, steps, rebuilds."""
         scheduler = self.engine.scheduler
         return {
             "num_free_blocks": scheduler.coordinator.num_free_blocks,
+            "num_usable_blocks": scheduler.coordinator.block_pool.num_blocks - 1,  # not null
             "num_preemptions": scheduler.num_preemptions,
             "num_steps": self.engine.num_steps,
+            "num_rebuilds": self.engine.num_rebuilds,
+            "state": self.engine.state.value,
         }
+
+    async def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    async def drain(self, timeout: float) -> int:
+        """Stop taking requests (health NOT_SERVING), let in-flight ones finish for up to
+        ``timeout`` seconds, abort the rest; returns how many were aborted."""
+        aborted = await self.engine.drain(timeout)
+        logger.info("Drained: %d request(s) aborted at the deadline", aborted)
+        return aborted
 
     async def stop(self) -> None:
         if self.server is not None:
             await self.server.stop(1.0)
         if self.engine is not None:
             await self.engine.stop()
-        for worker in self.workers:
-            ray.kill(worker)
-        if self.pg is not None:
-            remove_placement_group(self.pg)
+        self._tear_down_group()
 
 
 def start_controller(config: EngineConfig):
-    """Create the controller actor (on the driver's node, with no CPU of its own)."""
+    """Create the controller actor on this process's node, where users, the manifests'
+    Service and the readiness probe look for the gRPC server (it reserves no CPU, so without
+    the pin Ray could place it on any node, a GPU worker's included)."""
+    here = ray.get_runtime_context().get_node_id()
     actor_class = ray.remote(num_cpus=0)(Controller)
-    handle = actor_class.options(max_concurrency=1000).remote(encode(config))
+    handle = actor_class.options(
+        max_concurrency=1000,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
+    ).remote(encode(config))
     return handle, ray.get(handle.start.remote())

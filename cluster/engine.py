@@ -3,41 +3,58 @@
 One asyncio task runs the loop: schedule, send the plan through the transport, apply the
 result, hand each request's new tokens and text to its stream. Request handlers only enqueue
 and read their own stream, so a slow client never stalls the loop.
+
+Nothing in the loop fails silently. A request whose output cannot be processed fails alone
+(INTERNAL) and gives its blocks back. A lost worker, a failed step or a scheduling error fails
+every request in flight, and the engine rebuilds its worker group (``rebuild``) with a fresh
+cache while health says NOT_SERVING; when rebuilding keeps failing, it stops serving for good.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from cluster.errors import (
+    EngineDeadError,
+    EngineInternalError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    OverloadedError,
+)
 from cluster.scheduler.detokenizer import IncrementalDetokenizer
 from cluster.scheduler.request import EngineRequest
 from cluster.scheduler.scheduler import Scheduler
 from cluster.scheduler.stop import releasable_text
 from cluster.stats import EngineStats
 from cluster.transport import StepTransport, WorkerLostError
+from cluster.validation import (
+    check_prompt_len,
+    check_prompt_text,
+    check_token_ids,
+    resolve_max_tokens,
+)
 from kvcore.kv_request import KVRequest
 from workers.sampling import SamplingParams
 from workers.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+INLINE_TOKENIZE_CHARS = 4096  # longer text prompts are tokenized in a worker thread
+# A new worker group and the scheduler that goes with its cache.
+Rebuild = Callable[[], Awaitable[tuple[StepTransport, Scheduler]]]
 
 
-class InvalidRequestError(ValueError):
-    """The request is malformed; nothing was scheduled."""
-
-
-class OverloadedError(RuntimeError):
-    """The waiting queue is full."""
-
-
-class EngineDeadError(RuntimeError):
-    """A worker was lost; the engine serves nothing more."""
+class EngineState(enum.Enum):
+    SERVING = "serving"
+    RECOVERING = "recovering"  # rebuilding the worker group
+    DRAINING = "draining"  # finishing what runs, taking nothing new
+    DEAD = "dead"
 
 
 @dataclass(frozen=True)
@@ -61,6 +78,8 @@ class AsyncEngine:
         vocab_size: int,
         max_model_len: int,
         max_queue_len: int,
+        rebuild: Rebuild | None = None,
+        max_rebuild_attempts: int = 3,
     ):
         self.scheduler = scheduler
         self.transport = transport
@@ -68,13 +87,18 @@ class AsyncEngine:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_queue_len = max_queue_len
-        self.dead_reason: str | None = None
+        self.rebuild = rebuild
+        self.max_rebuild_attempts = max_rebuild_attempts
+        self.rebuild_backoff_s = 2.0  # doubles after each failed attempt, up to 30 s
+        self.state = EngineState.SERVING
+        self.state_reason = ""
         self.num_steps = 0
+        self.num_rebuilds = 0
         self._streams: dict[str, asyncio.Queue] = {}
         self._arrivals = itertools.count()
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
-        self.on_death = None  # called once when a worker is lost
+        self.on_serving_change: Callable[[bool], None] | None = None  # health follows this
         self.stats = EngineStats()
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -88,41 +112,70 @@ class AsyncEngine:
             await asyncio.gather(self._loop_task, return_exceptions=True)
 
     @property
-    def is_alive(self) -> bool:
-        return self.dead_reason is None
+    def is_serving(self) -> bool:
+        return self.state is EngineState.SERVING
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def _set_state(self, state: EngineState, reason: str = "") -> None:
+        was_serving = self.is_serving
+        self.state, self.state_reason = state, reason
+        if was_serving != self.is_serving and self.on_serving_change is not None:
+            self.on_serving_change(self.is_serving)
+
+    def _check_taking_requests(self) -> None:
+        if self.state is EngineState.DEAD:
+            raise EngineDeadError(self.state_reason)
+        if self.state is not EngineState.SERVING:
+            raise EngineUnavailableError(self.state_reason)
+
+    async def drain(self, timeout: float) -> int:
+        """Take no new requests and let the running ones finish for up to ``timeout`` seconds;
+        then abort the rest. Returns how many were aborted."""
+        if self.state is EngineState.SERVING:
+            self._set_state(EngineState.DRAINING, "The server is shutting down; retry elsewhere.")
+        deadline = time.monotonic() + timeout
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self._streams)
+        for request_id in left:
+            self.abort(request_id)
+        return len(left)
 
     # -- requests ---------------------------------------------------------------------------
 
-    def prepare(
-        self, prompt: str | Sequence[int], sampling: SamplingParams, request_id: str | None = None
+    async def prepare(
+        self,
+        prompt: str | Sequence[int],
+        sampling: SamplingParams,
+        request_id: str | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> EngineRequest:
-        """Validate and build a request; raises before anything is scheduled."""
-        if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not token_ids:
-            raise InvalidRequestError("The prompt is empty; give at least one token.")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"Prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}"
-            )
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"The prompt has {len(token_ids)} tokens, but this model allows at most "
-                f"{self.max_model_len - 1} (max_model_len {self.max_model_len}, with room for "
-                "one output token)."
-            )
-        if len(self.scheduler.waiting) >= self.max_queue_len:
-            raise OverloadedError(
-                f"The queue holds {len(self.scheduler.waiting)} waiting requests, its limit; "
-                "retry later."
-            )
+        """Validate and build a request; raises before anything is scheduled. Long prompts
+        are tokenized off the event loop, so health checks and other streams keep going.
+        ``cache_salt`` confines the request's prefix-cache hits to requests with the same
+        salt (a tenant's own)."""
+        self._check_taking_requests()
+        if isinstance(prompt, str):
+            check_prompt_text(prompt, self.max_model_len, self.tokenizer.max_chars_per_token)
+            if len(prompt) > INLINE_TOKENIZE_CHARS:
+                token_ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
+            else:
+                token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+            check_token_ids(token_ids, self.vocab_size, "Prompt token ids")
+        check_prompt_len(len(token_ids), self.max_model_len)
+        sampling = resolve_max_tokens(sampling, len(token_ids), self.max_model_len)
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._streams:
-            raise InvalidRequestError(f"Request id {request_id!r} is already running.")
         kv = KVRequest(
-            request_id, token_ids, hash_block_size=self.scheduler.coordinator.hash_block_size
+            request_id,
+            token_ids,
+            hash_block_size=self.scheduler.coordinator.hash_block_size,
+            cache_salt=cache_salt,
         )
         return EngineRequest(
             request_id=request_id,
@@ -134,6 +187,16 @@ class AsyncEngine:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Queue ``request`` and yield its outputs until it finishes; leaving early aborts it."""
+        # Checked again here, with no await before the request joins the scheduler: a rebuild
+        # that started since ``prepare`` must not receive it into the scheduler it replaces.
+        self._check_taking_requests()
+        if len(self.scheduler.waiting) >= self.max_queue_len:
+            raise OverloadedError(
+                f"The queue holds {len(self.scheduler.waiting)} waiting requests, its limit; "
+                "retry later."
+            )
+        if request.request_id in self._streams:
+            raise InvalidRequestError(f"Request id {request.request_id!r} is already running.")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request.request_id] = stream
         self.scheduler.add(request)
@@ -162,27 +225,39 @@ class AsyncEngine:
     # -- the loop ---------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        while True:
+        while self.state is not EngineState.DEAD:
             if not self.scheduler.has_work:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            started = time.perf_counter()
-            step = self.scheduler.schedule()
-            if step.is_empty:
-                await asyncio.sleep(0.001)  # blocked on memory: let aborts and frees arrive
-                continue
             try:
-                result = await self.transport.execute(step.plan)
+                await self._step()
             except WorkerLostError as exc:
-                self._die(str(exc))
-                return
-            self.num_steps += 1
-            for request in self.scheduler.update(step, result):
+                logger.error("The engine lost its worker group: %s", exc)
+                await self._recover(EngineUnavailableError(f"The engine lost a worker: {exc}"))
+            except Exception as exc:  # a bug in scheduling or the transport: never silent
+                logger.exception("The engine step failed")
+                await self._recover(EngineInternalError(f"The engine step failed: {exc!r}"))
+
+    async def _step(self) -> None:
+        started = time.perf_counter()
+        step = self.scheduler.schedule()
+        if step.is_empty:
+            await asyncio.sleep(0.001)  # blocked on memory: let aborts and frees arrive
+            return
+        result = await self.transport.execute(step.plan)
+        self.num_steps += 1
+        touched, failed = self.scheduler.update(step, result)
+        for request in touched:
+            try:
                 self._deliver(request)
-            self.stats.record_step(time.perf_counter() - started, result.forward_seconds)
-            if self.stats.wants_waste_sample():
-                self.stats.record_waste(*self.scheduler.kv_slot_usage())
+            except Exception as exc:
+                failed.append((request, exc))
+        for request, exc in failed:
+            self._fail_request(request, exc)
+        self.stats.record_step(time.perf_counter() - started, result.forward_seconds)
+        if self.stats.wants_waste_sample():
+            self.stats.record_waste(*self.scheduler.kv_slot_usage())
 
     def _deliver(self, request: EngineRequest) -> None:
         stream = self._streams.get(request.request_id)
@@ -205,11 +280,49 @@ class AsyncEngine:
             )
         )
 
-    def _die(self, reason: str) -> None:
-        self.dead_reason = f"The engine lost a worker and stopped serving: {reason}"
-        logger.error(self.dead_reason)
-        error = EngineDeadError(self.dead_reason)
+    def _fail_request(self, request: EngineRequest, exc: BaseException) -> None:
+        """One request's output could not be processed: it ends (its blocks go back), its
+        client hears why, the others go on."""
+        logger.error(
+            "Request %s failed while its output was processed",
+            request.request_id,
+            exc_info=(type(exc), exc, exc.__traceback__),
+        )
+        self.scheduler.finish(request, "error")
+        stream = self._streams.get(request.request_id)
+        if stream is not None:
+            stream.put_nowait(EngineInternalError(f"Processing this request failed: {exc!r}"))
+
+    # -- recovery ---------------------------------------------------------------------------
+
+    async def _recover(self, error: Exception) -> None:
+        """Fail everything in flight with ``error``, then rebuild the worker group."""
+        self._set_state(EngineState.RECOVERING, f"{error} The engine is rebuilding; retry.")
         for stream in list(self._streams.values()):
             stream.put_nowait(error)
-        if self.on_death is not None:
-            self.on_death()
+        if self.rebuild is None:
+            self._set_state(EngineState.DEAD, f"{error} The engine stopped serving.")
+            logger.error(self.state_reason)
+            return
+        for attempt in range(1, self.max_rebuild_attempts + 1):
+            started = time.perf_counter()
+            try:
+                self.transport, self.scheduler = await self.rebuild()
+            except Exception:
+                logger.exception("Rebuilding the worker group failed (attempt %d)", attempt)
+                await asyncio.sleep(min(self.rebuild_backoff_s * 2 ** (attempt - 1), 30.0))
+                continue
+            self.num_rebuilds += 1
+            logger.warning(
+                "Rebuilt the worker group in %.1f s (attempt %d); serving again",
+                time.perf_counter() - started,
+                attempt,
+            )
+            self._set_state(EngineState.SERVING)
+            return
+        self._set_state(
+            EngineState.DEAD,
+            f"{error} Rebuilding the worker group failed {self.max_rebuild_attempts} times; "
+            "the engine stopped serving.",
+        )
+        logger.error(self.state_reason)

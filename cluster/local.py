@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from cluster.assembly import build_engine, build_server
+from cluster.assembly import build_engine, build_scheduler, build_server, connect_health
 from cluster.config import EngineConfig
+from cluster.scheduler.scheduler import Scheduler
 from cluster.startup import plan_kv_cache
 from cluster.transport import InProcessTransport
-from kvcore import RankReport, decode, encode
+from kvcore import KVCacheConfig, RankReport, decode, encode
 from workers.worker import Worker
 
 
@@ -22,12 +23,7 @@ class LocalServer:
         if config.tensor_parallel_size != 1:
             raise ValueError("The in-process server runs TP=1; use kvray serve for more ranks.")
         self.config = config
-        self.worker = Worker(0, config.worker_options())
-        self.worker.init_tp_group(None)
-        self.worker.load_model()
-        report = decode(self.worker.report_specs(), RankReport)
-        self.kv_config = plan_kv_cache([report], self.worker.model_config, config)
-        self.worker.allocate_kv_cache(encode(self.kv_config))
+        self.worker, self.kv_config = self._start_worker()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kvray-local", daemon=True)
@@ -40,12 +36,33 @@ class LocalServer:
         self._ready.set()
         self._loop.run_forever()
 
+    def _start_worker(self) -> tuple[Worker, KVCacheConfig]:
+        worker = Worker(0, self.config.worker_options())
+        worker.init_tp_group(None)
+        worker.load_model()
+        report = decode(worker.report_specs(), RankReport)
+        kv_config = plan_kv_cache([report], worker.model_config, self.config)
+        worker.allocate_kv_cache(encode(kv_config))
+        return worker, kv_config
+
+    async def _rebuild(self) -> tuple[InProcessTransport, Scheduler]:
+        """A fresh worker and cache after a failed step, as the Ray controller does."""
+        self.worker.shutdown()
+        self.worker, self.kv_config = await asyncio.to_thread(self._start_worker)
+        scheduler = build_scheduler(self.config, self.worker.model_config, self.kv_config)
+        return InProcessTransport(self.worker), scheduler
+
     async def _start(self) -> None:
         self.engine = build_engine(
-            self.config, self.worker.model_config, self.kv_config, InProcessTransport(self.worker)
+            self.config,
+            self.worker.model_config,
+            self.kv_config,
+            InProcessTransport(self.worker),
+            rebuild=self._rebuild,
         )
-        self.engine.start()
         self.server = build_server(self.config, self.engine, self.kv_config)
+        connect_health(self.engine, self.server)
+        self.engine.start()
         await self.server.start()
 
     def start(self) -> LocalServer:

@@ -1,6 +1,8 @@
-"""The gRPC edge: converts messages and delegates to the engine; one place maps errors to
-status codes. Binds 127.0.0.1 unless told otherwise; with an API key, every call except the
-health service needs ``authorization: Bearer <key>``."""
+"""The gRPC edge: converts messages and delegates to the engine; one table maps the engine's
+errors to status codes. Binds 127.0.0.1 unless told otherwise; with an API key, every call
+except the health service needs ``authorization: Bearer <key>``. Requests larger than
+``MAX_REQUEST_BYTES`` and messages that do not parse are refused as INVALID_ARGUMENT / the
+transport's RESOURCE_EXHAUSTED, before any engine work."""
 
 from __future__ import annotations
 
@@ -8,16 +10,17 @@ import hmac
 import logging
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster.api.v1 import kvray_pb2 as pb
 from cluster.api.v1 import kvray_pb2_grpc as pb_grpc
-from cluster.engine import (
-    AsyncEngine,
-    EngineDeadError,
+from cluster.engine import AsyncEngine, RequestOutput
+from cluster.errors import (
+    EngineInternalError,
+    EngineUnavailableError,
     InvalidRequestError,
     OverloadedError,
-    RequestOutput,
 )
 from cluster.server_info import server_info
 from workers.sampling import SamplingParams
@@ -25,6 +28,14 @@ from workers.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 SERVICE_NAME = "kvray.v1.Engine"
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+MAX_REQUEST_BYTES = 4 << 20  # a longer prompt would not fit any context kvray serves as text
+# The engine's errors as gRPC status codes (subclasses first).
+STATUS_CODES: list[tuple[type[Exception], grpc.StatusCode]] = [
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (EngineUnavailableError, grpc.StatusCode.UNAVAILABLE),  # EngineDeadError too
+    (EngineInternalError, grpc.StatusCode.INTERNAL),
+]
 
 
 def sampling_from_proto(request: pb.GenerateRequest) -> SamplingParams:
@@ -59,34 +70,88 @@ def response_from_output(output: RequestOutput) -> pb.GenerateResponse:
     return response
 
 
+class UnreadableMessage:
+    """What a request that does not parse (invalid UTF-8 in a string, a broken field) turns
+    into, so the servicer can refuse it by name instead of the transport's bare INTERNAL."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def tolerant_parser(message_class):
+    def parse(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError as exc:
+            return UnreadableMessage(str(exc))
+
+    return parse
+
+
 class EngineServicer(pb_grpc.EngineServicer):
     def __init__(self, engine: AsyncEngine, info: dict):
         self.engine = engine
         self.info = info
 
-    async def Generate(self, request: pb.GenerateRequest, context):
+    async def Generate(self, request, context):
         try:
+            _refuse_unreadable(request)
             if request.WhichOneof("prompt") is None:
                 raise InvalidRequestError("Give a prompt: text or token_ids.")
             _refuse_unknown_fields(request)
             prompt = request.text if request.HasField("text") else list(request.token_ids.ids)
-            engine_request = self.engine.prepare(
-                prompt, sampling_from_proto(request), request.request_id or None
+            engine_request = await self.engine.prepare(
+                prompt,
+                sampling_from_proto(request),
+                request.request_id or None,
+                cache_salt=request.cache_salt or None,
             )
             async for output in self.engine.generate(engine_request):
                 yield response_from_output(output)
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except OverloadedError as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except EngineDeadError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except tuple(error for error, _ in STATUS_CODES) as exc:
+            await context.abort(status_code(exc), str(exc))
 
-    async def Abort(self, request: pb.AbortRequest, context):
+    async def Abort(self, request, context):
+        if isinstance(request, UnreadableMessage):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
         return pb.AbortResponse(aborted=self.engine.abort(request.request_id))
 
     async def GetServerInfo(self, request, context):
         return server_info(self.engine, self.info)
+
+
+def status_code(error: Exception) -> grpc.StatusCode:
+    return next(code for kind, code in STATUS_CODES if isinstance(error, kind))
+
+
+def add_engine_service(server, servicer: EngineServicer) -> None:
+    """The generated registration, with parsers that hand unreadable requests to the
+    servicer."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate,
+            request_deserializer=tolerant_parser(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
+        "Abort": grpc.unary_unary_rpc_method_handler(
+            servicer.Abort,
+            request_deserializer=tolerant_parser(pb.AbortRequest),
+            response_serializer=pb.AbortResponse.SerializeToString,
+        ),
+        "GetServerInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetServerInfo,
+            request_deserializer=tolerant_parser(pb.GetServerInfoRequest),
+            response_serializer=pb.ServerInfo.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+def _refuse_unreadable(request) -> None:
+    if isinstance(request, UnreadableMessage):
+        raise InvalidRequestError(
+            f"The request does not parse as a GenerateRequest: {request.reason}"
+        )
 
 
 def _refuse_unknown_fields(message) -> None:
@@ -129,8 +194,11 @@ class ApiServer:
         self, engine: AsyncEngine, info: dict, *, host: str, port: int, api_key: str | None = None
     ):
         interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
-        self.server = grpc.aio.server(interceptors=interceptors)
-        pb_grpc.add_EngineServicer_to_server(EngineServicer(engine, info), self.server)
+        self.server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)],
+        )
+        add_engine_service(self.server, EngineServicer(engine, info))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port(f"{host}:{port}")

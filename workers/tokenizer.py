@@ -9,6 +9,9 @@ from typing import Protocol
 
 class Tokenizer(Protocol):
     eos_token_ids: tuple[int, ...]
+    # An upper bound on the characters of text one token stands for, so a prompt can be
+    # refused as too long before it is tokenized.
+    max_chars_per_token: int
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -21,6 +24,11 @@ class HFTokenizer:
 
         self._tokenizer = _Tokenizer.from_file(str(path))
         self.eos_token_ids = eos_token_ids
+        vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+        longest = max((len(token) for token in vocab), default=1)
+        # Token strings spell bytes or characters one for one; normalizers may drop some input
+        # characters (control characters, combining marks), hence the slack.
+        self.max_chars_per_token = 4 * longest
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text).ids
@@ -36,6 +44,7 @@ class ByteTokenizer:
     BOS = 256
     EOS = 257
     vocab_size = 258
+    max_chars_per_token = 1  # a character is at least one byte
 
     def __init__(self) -> None:
         self.eos_token_ids = (self.EOS,)

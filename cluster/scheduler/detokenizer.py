@@ -10,6 +10,10 @@ from __future__ import annotations
 from workers.tokenizer import Tokenizer
 
 CONTEXT_TOKENS = 6  # tokens of already-emitted context re-decoded for correct joins
+# Tokens held back waiting for a character to complete (a UTF-8 character is at most four
+# bytes, so four byte tokens). Past this the text goes out as it decodes, replacement
+# characters included, so no run of tokens makes each step decode an ever longer window.
+MAX_HELD_TOKENS = 8
 
 
 class IncrementalDetokenizer:
@@ -25,7 +29,8 @@ class IncrementalDetokenizer:
         self.token_ids.extend(token_ids)
         prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset : self.read_offset])
         full_text = self.tokenizer.decode(self.token_ids[self.prefix_offset :])
-        if full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text):
+        is_incomplete = full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text)
+        if is_incomplete and len(self.token_ids) - self.read_offset < MAX_HELD_TOKENS:
             return ""  # an incomplete character: wait for the next token
         delta = full_text[len(prefix_text) :]
         self.prefix_offset = max(self.read_offset, len(self.token_ids) - CONTEXT_TOKENS)

@@ -29,6 +29,9 @@ class EngineRequest:
     # Whether the workers hold this request's state (false before its first step and after a
     # preemption, when it must be sent again as a new request).
     is_on_workers: bool = False
+    # Whether the workers have ever seen it: its sampling state (a seeded generator) lives
+    # there from its first step until it finishes, across preemptions.
+    was_sent: bool = False
     finish_reason: str | None = None
     # Output pending delivery to the client since the last step.
     pending_token_ids: list[int] = field(default_factory=list)

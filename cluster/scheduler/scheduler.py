@@ -36,7 +36,7 @@ class ScheduledStep:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.plan.finished_ids
+        return not (self.scheduled or self.plan.finished_ids or self.plan.preempted_ids)
 
 
 class Scheduler:
@@ -46,7 +46,8 @@ class Scheduler:
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self.requests: dict[str, EngineRequest] = {}
-        self._ended_on_workers: list[str] = []  # tell the workers to forget these
+        self._finished_ids: list[str] = []  # tell the workers to forget these
+        self._preempted_ids: list[str] = []  # ... and these, but keep their sampling state
         self.num_preemptions = 0
 
     # -- requests in and out ---------------------------------------------------------------
@@ -74,14 +75,14 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        if request.is_on_workers:
-            self._ended_on_workers.append(request.request_id)
-            request.is_on_workers = False
+        if request.was_sent:
+            self._finished_ids.append(request.request_id)
+            request.is_on_workers = request.was_sent = False
         del self.requests[request.request_id]
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._ended_on_workers)
+        return bool(self.waiting or self.running or self._finished_ids or self._preempted_ids)
 
     # -- one step --------------------------------------------------------------------------
 
@@ -138,7 +139,7 @@ class Scheduler:
         request.kv.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         if request.is_on_workers:
-            self._ended_on_workers.append(request.request_id)
+            self._preempted_ids.append(request.request_id)
             request.is_on_workers = False
         self.waiting.appendleft(request)
         self.num_preemptions += 1
@@ -167,35 +168,46 @@ class Scheduler:
                         num_new_tokens=num_new,
                     )
                 )
-                request.is_on_workers = True
+                request.is_on_workers = request.was_sent = True
         plan = StepPlan(
-            new_requests=new_requests, deltas=deltas, finished_ids=self._ended_on_workers
+            new_requests=new_requests,
+            deltas=deltas,
+            finished_ids=self._finished_ids,
+            preempted_ids=self._preempted_ids,
         )
-        self._ended_on_workers = []
+        self._finished_ids, self._preempted_ids = [], []
         return ScheduledStep(plan, [(request, num_new) for request, num_new, _ in scheduled])
 
-    def update(self, step: ScheduledStep, result: StepResult) -> list[EngineRequest]:
-        """Apply a step's result; returns the requests with new output or a finish."""
-        touched = []
+    def update(
+        self, step: ScheduledStep, result: StepResult
+    ) -> tuple[list[EngineRequest], list[tuple[EngineRequest, Exception]]]:
+        """Apply a step's result. Returns the requests with new output or a finish, and those
+        whose output could not be applied (with why); one request's failure is its own."""
+        touched, failed = [], []
         for request, num_new in step.scheduled:
             if request.is_finished or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
-            kv = request.kv
-            kv.num_computed_tokens += num_new
-            self.coordinator.cache_blocks(kv, kv.num_computed_tokens)
-            token = result.sampled.get(request.request_id)
-            if token is None:
-                continue
-            kv.append_token_ids((token,))
-            request.pending_token_ids.append(token)
-            request.detokenizer.add([token])
-            reason = check_stop(
-                request, token, self.config.eos_token_ids, self.config.max_model_len
-            )
-            if reason is not None:
-                self.finish(request, reason)
-            touched.append(request)
-        return touched
+            try:
+                if self._apply(request, num_new, result.sampled.get(request.request_id)):
+                    touched.append(request)
+            except Exception as exc:
+                failed.append((request, exc))
+        return touched, failed
+
+    def _apply(self, request: EngineRequest, num_new: int, token: int | None) -> bool:
+        """Advance ``request`` by its step; True when it has a new token."""
+        kv = request.kv
+        kv.num_computed_tokens += num_new
+        self.coordinator.cache_blocks(kv, kv.num_computed_tokens)
+        if token is None:
+            return False
+        kv.append_token_ids((token,))
+        request.pending_token_ids.append(token)
+        request.detokenizer.add([token])
+        reason = check_stop(request, token, self.config.eos_token_ids, self.config.max_model_len)
+        if reason is not None:
+            self.finish(request, reason)
+        return True
 
     def kv_slot_usage(self) -> tuple[int, int]:
         """(token slots in blocks the running requests hold, slots holding a computed token),

@@ -7,9 +7,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
+
+from cluster.client import Client, UnavailableError
 
 KVRAY = [sys.executable, "-m", "cluster.cli"]
 SMALL = ["--kv-cache-memory", "16MiB", "--max-model-len", "256", "--log-level", "WARNING"]
@@ -106,25 +109,36 @@ def test_bad_settings_fail_with_a_message(args, message):
     assert message in result.stderr
 
 
-def test_serve_then_generate_against_it():
+def start_serving(*flags: str) -> tuple[subprocess.Popen, str, list[str]]:
+    """``kvray serve`` on a fresh local Ray; returns the process, its address and the list
+    its output lines keep landing in (read in a thread, so the pipe never fills)."""
     server = subprocess.Popen(
-        [*KVRAY, "serve", "--port", "0", *SMALL, "-tp", "2"],
+        [*KVRAY, "serve", "--port", "0", *SMALL, *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},  # a fresh local Ray
     )
-    try:
-        address, seen = None, []
-        deadline = time.monotonic() + 180
-        while address is None and time.monotonic() < deadline:
-            line = server.stdout.readline()
-            if not line:
-                break
+    seen: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in server.stdout:
             seen.append(line)
             if line.startswith("kvray: serving"):
-                address = line.split(" on ")[1].split()[0]
-        assert address, "kvray serve did not report its address:\n" + "".join(seen)
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not ready.wait(timeout=180):
+        server.kill()
+        raise AssertionError("kvray serve did not report its address:\n" + "".join(seen))
+    address = next(x for x in seen if x.startswith("kvray: serving")).split(" on ")[1].split()[0]
+    return server, address, seen
+
+
+def test_serve_generate_then_drain_on_sigterm():
+    server, address, seen = start_serving("-tp", "2", "--drain-timeout", "60")
+    try:
         result = run(
             "generate",
             "--server",
@@ -140,10 +154,36 @@ def test_serve_then_generate_against_it():
         )
         assert result.returncode == 0, result.stderr
         assert len(json.loads(result.stdout)["token_ids"]) == 5
+
+        # SIGTERM with streams in flight: they finish; new requests are refused meanwhile.
+        finished, started = [], threading.Barrier(4)
+
+        def stream(index: int) -> None:
+            with Client(address, timeout=120) as client:
+                deltas = client.stream(f"stream {index}", max_tokens=150, ignore_eos=True)
+                first = next(deltas)
+                started.wait()
+                rest = list(deltas)
+                finished.append((sum(len(d.token_ids) for d in [first, *rest]), rest[-1]))
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        started.wait(timeout=60)
+        server.send_signal(signal.SIGTERM)
+        with Client(address, timeout=30) as client:
+            deadline = time.monotonic() + 20
+            while client.health() != "NOT_SERVING":
+                assert time.monotonic() < deadline, "health stayed SERVING while draining"
+                time.sleep(0.05)
+            with pytest.raises(UnavailableError, match="shutting down"):
+                client.generate("too late", max_tokens=2)
+        for thread in threads:
+            thread.join(timeout=120)
+        assert [(n, last.finish_reason) for n, last in finished] == [(150, "length")] * 3
+        server.wait(timeout=120)
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
+        if server.poll() is None:
             server.kill()
-    assert server.returncode == 0
+    assert server.returncode == 0, "".join(seen)
+    assert any("draining" in line for line in seen)

@@ -4,7 +4,11 @@ standing in for the workers, so each decision can be asserted exactly."""
 
 from __future__ import annotations
 
-from cluster.scheduler.detokenizer import IncrementalDetokenizer
+from cluster.scheduler.detokenizer import (
+    CONTEXT_TOKENS,
+    MAX_HELD_TOKENS,
+    IncrementalDetokenizer,
+)
 from cluster.scheduler.request import EngineRequest, RequestStatus
 from cluster.scheduler.scheduler import Scheduler, SchedulerConfig
 from kvcore import FullAttentionSpec, get_kv_cache_config
@@ -164,3 +168,20 @@ def test_abort_frees_blocks_and_tells_the_workers():
     assert scheduler.coordinator.num_free_blocks == idle
     assert scheduler.schedule().plan.finished_ids == ["gone"]
     assert scheduler.abort("gone") is None
+
+
+def test_detokenizing_never_rereads_an_unbounded_window():
+    """A run of bytes that never completes a character (a random model emits such runs) is
+    released as replacement characters, and each step decodes a bounded window."""
+    windows = []
+
+    class CountingTokenizer(ByteTokenizer):
+        def decode(self, token_ids):
+            windows.append(len(token_ids))
+            return super().decode(token_ids)
+
+    detokenizer = IncrementalDetokenizer(CountingTokenizer())
+    text = "".join(detokenizer.add([0x80]) for _ in range(1000))
+    assert max(windows) <= CONTEXT_TOKENS + MAX_HELD_TOKENS
+    assert len(text) >= 1000 - MAX_HELD_TOKENS and set(text) == {"\ufffd"}
+    assert detokenizer.add(list("é".encode())) + detokenizer.flush() == "é"

@@ -101,6 +101,13 @@ def test_repeated_prompt_reports_cached_prompt_tokens(client):
     assert first.usage.cached_prompt_tokens == 0
     assert second.usage.cached_prompt_tokens == 48
     assert second.token_ids == first.token_ids
+    # A tenant's salt keeps its prompts apart from the shared cache and other tenants'.
+    salted = client.generate(prompt, max_tokens=4, temperature=0, cache_salt="tenant-a")
+    again = client.generate(prompt, max_tokens=4, temperature=0, cache_salt="tenant-a")
+    other = client.generate(prompt, max_tokens=4, temperature=0, cache_salt="tenant-b")
+    assert salted.usage.cached_prompt_tokens == 0 and other.usage.cached_prompt_tokens == 0
+    assert again.usage.cached_prompt_tokens == 48
+    assert salted.token_ids == again.token_ids == other.token_ids == first.token_ids
 
 
 def test_bad_inputs_are_refused_while_others_keep_streaming(server, client):
@@ -193,8 +200,19 @@ def test_server_info_and_health(kind, client):
 
 
 def test_preemption_under_a_tiny_cache_keeps_the_tokens(kind, client):
+    """Greedy and seeded requests alike: a preempted seeded request continues its generator
+    rather than starting it again, so it gives the tokens it gives alone."""
     prompts = [list(range(10 + i, 40 + i)) for i in range(4)]
-    expected = [client.generate(p, max_tokens=40, temperature=0).token_ids for p in prompts]
+    sampling = [
+        dict(temperature=0),
+        dict(temperature=1.0, top_p=0.95, seed=5),
+        dict(temperature=0),
+        dict(temperature=0.7, top_k=40, seed=9),
+    ]
+    expected = [
+        client.generate(p, max_tokens=40, **s).token_ids
+        for p, s in zip(prompts, sampling, strict=True)
+    ]
     small = start_server(kind, **{**BASE, "num_gpu_blocks_override": 12, "max_model_len": 128})
     try:
         results = {}
@@ -202,7 +220,7 @@ def test_preemption_under_a_tiny_cache_keeps_the_tokens(kind, client):
         def run(index):
             with Client(small.address, timeout=300) as own:
                 results[index] = own.generate(
-                    prompts[index], max_tokens=40, temperature=0
+                    prompts[index], max_tokens=40, **sampling[index]
                 ).token_ids
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
