@@ -117,6 +117,13 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
         help="require 'authorization: Bearer <key>' on every call but health",
     )
     g.add_argument(
+        "--max-rebuild-attempts",
+        type=int,
+        default=3,
+        help="after a worker is lost, rebuild the worker group up to this many times before "
+        "giving up (default 3; 0 stops serving at the first loss)",
+    )
+    g.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
@@ -146,6 +153,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         port=getattr(args, "port", 0),
         api_key=getattr(args, "api_key", None),
         drain_timeout_s=getattr(args, "drain_timeout", 30.0),
+        max_rebuild_attempts=getattr(args, "max_rebuild_attempts", 3),
     )
 
 

@@ -300,7 +300,7 @@ class AsyncEngine:
         self._set_state(EngineState.RECOVERING, f"{error} The engine is rebuilding; retry.")
         for stream in list(self._streams.values()):
             stream.put_nowait(error)
-        if self.rebuild is None:
+        if self.rebuild is None or self.max_rebuild_attempts == 0:
             self._set_state(EngineState.DEAD, f"{error} The engine stopped serving.")
             logger.error(self.state_reason)
             return
