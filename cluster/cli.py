@@ -91,6 +91,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="weights and KV cache dtype (default: the checkpoint's)",
     )
     g.add_argument(
+        "--cpus-per-worker",
+        type=int,
+        default=None,
+        help="CPUs each worker reserves and computes with (default: 1 beside a GPU; on "
+        "CPU-only clusters, this node's CPUs divided among the TP ranks)",
+    )
+    g.add_argument(
         "--placement-strategy",
         default="PACK",
         choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
@@ -149,11 +156,21 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend,
         dtype=args.dtype,
         placement_strategy=args.placement_strategy,
+        cpus_per_worker=args.cpus_per_worker,
         host=getattr(args, "host", "127.0.0.1"),
         port=getattr(args, "port", 0),
         api_key=getattr(args, "api_key", None),
         drain_timeout_s=getattr(args, "drain_timeout", 30.0),
         max_rebuild_attempts=getattr(args, "max_rebuild_attempts", 3),
+    )
+
+
+def add_in_process_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run one rank in this process instead of on Ray (TP 1 only; faster to start; "
+        "the figures then include the client's share of this interpreter)",
     )
 
 
@@ -194,6 +211,13 @@ def add_bench_parser(commands, common) -> None:
         default=16,
         help="static batch size of the transformers run (default 16)",
     )
+    throughput.add_argument(
+        "--server",
+        default=None,
+        help="HOST:PORT of a running server to measure (default: start an engine on Ray)",
+    )
+    throughput.add_argument("--api-key", default=env_default("KVRAY_API_KEY"))
+    add_in_process_flag(throughput)
     add_engine_flags(throughput)
 
     serve = modes.add_parser("serve", parents=[shared], help="latency against a running server")
@@ -214,6 +238,7 @@ def add_bench_parser(commands, common) -> None:
     prefix.add_argument("--prompt-len", type=int, default=512)
     prefix.add_argument("--shared-fraction", type=float, default=0.9)
     prefix.add_argument("--output-len", type=int, default=16)
+    add_in_process_flag(prefix)
     add_engine_flags(prefix)
 
 
@@ -240,12 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="HOST:PORT of a running server (default: start a local engine)",
     )
     generate.add_argument("--api-key", default=env_default("KVRAY_API_KEY"))
-    generate.add_argument(
-        "--in-process",
-        action="store_true",
-        help="without --server: run one rank in this process instead of "
-        "starting a local Ray (TP 1 only; faster to start)",
-    )
+    add_in_process_flag(generate)
     prompt = generate.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-token-ids", help="comma-separated token ids, e.g. 1,2,3")

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import sys
 import threading
-from contextlib import contextmanager
 
 from cluster.cli import engine_config
 from cluster.client import Client
+from cluster.launch import running_engine
 from workers.default_model import model_config_for, model_display_name
 
 
@@ -71,13 +70,10 @@ def generate(args) -> int:
     if args.server is not None:
         with Client(args.server, api_key=args.api_key) as client:
             return _print_generation(client, args)
-    config = engine_config(args)
-    if args.in_process:
-        from cluster.local import LocalServer
-
-        with LocalServer(config) as server, Client(server.address) as client:
-            return _print_generation(client, args)
-    with local_engine(config) as address, Client(address) as client:
+    with (
+        running_engine(engine_config(args), in_process=args.in_process) as address,
+        Client(address) as client,
+    ):
         return _print_generation(client, args)
 
 
@@ -97,29 +93,8 @@ def batch(args) -> int:
 
     if args.server is not None:
         return run(args.server)
-    with local_engine(engine_config(args)) as address:
+    with running_engine(engine_config(args)) as address:
         return run(address)
-
-
-@contextmanager
-def local_engine(config):
-    """An engine on Ray (started here, or the one in RAY_ADDRESS) for one command's use."""
-    import ray
-
-    from cluster.controller import start_controller
-
-    # The engine's own logs would interleave with the command's output; keep them off stdout.
-    ray.init(
-        address=os.environ.get("RAY_ADDRESS") or None,
-        log_to_driver=False,
-        logging_level=logging.WARNING,
-    )
-    handle, info = start_controller(config)
-    try:
-        yield info["address"]
-    finally:
-        ray.get(handle.stop.remote())
-        ray.shutdown()
 
 
 def _print_generation(client: Client, args) -> int:

@@ -29,6 +29,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     placement_strategy: str = "PACK"
     placement_timeout_s: float = 120.0
     use_gpu: bool | None = None  # None: when the Ray cluster has GPUs
+    # CPUs (and torch threads) per worker; None: 1 beside a GPU, else the controller's node
+    # divided among the ranks.
+    cpus_per_worker: int | None = None
     drain_timeout_s: float = 30.0  # on SIGTERM: how long in-flight requests may finish
     max_rebuild_attempts: int = 3  # after a lost worker, before the engine gives up
 
@@ -41,6 +44,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             "gpu_memory_utilization": 0 < self.gpu_memory_utilization <= 1,
             "drain_timeout_s": self.drain_timeout_s >= 0,
             "max_rebuild_attempts": self.max_rebuild_attempts >= 0,
+            "cpus_per_worker": self.cpus_per_worker is None or self.cpus_per_worker >= 1,
             "port": 0 <= self.port < 65536,
             "placement_strategy": self.placement_strategy
             in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
@@ -49,13 +53,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if bad:
             raise ValueError(f"invalid engine settings: {', '.join(bad)} (got {self})")
 
-    def worker_options(self, device: str | None = None):
+    def worker_options(self, device: str | None = None, num_threads: int | None = None):
         """What each TP rank's worker needs of these settings (a ``WorkerOptions``), on
-        ``device`` ("cuda" when the rank's placement reserved a GPU, "cpu", or None: any)."""
+        ``device`` ("cuda" when the rank's placement reserved a GPU, "cpu", or None: any)
+        with ``num_threads`` torch threads (None: torch's default)."""
         from workers.worker import WorkerOptions  # torch-heavy; only engines need it
 
         return WorkerOptions(
             device=device,
+            num_threads=num_threads,
             model=self.model,
             tensor_parallel_size=self.tensor_parallel_size,
             block_size=self.block_size,

@@ -7,26 +7,19 @@ import asyncio
 import logging
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import (
-    NodeAffinitySchedulingStrategy,
-    PlacementGroupSchedulingStrategy,
-)
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.assembly import build_engine, build_scheduler, build_server, connect_health
 from cluster.config import EngineConfig
+from cluster.placement import cpus_per_worker, reserve, start_worker_actors, worker_bundle
 from cluster.scheduler.scheduler import Scheduler
 from cluster.startup import plan_kv_cache
 from cluster.transport import RayActorTransport
 from kvcore import KVCacheConfig, RankReport, decode, encode
-from workers.actor import remote_worker_class
 from workers.default_model import model_config_for
 
 logger = logging.getLogger(__name__)
-
-
-class PlacementError(RuntimeError):
-    """The cluster cannot hold the requested TP ranks."""
 
 
 class Controller:
@@ -37,6 +30,7 @@ class Controller:
         self.workers: list = []
         self.pg = None
         self.use_gpu = False
+        self.cpus_per_worker = 1
         self.engine = None
         self.server = None
 
@@ -84,32 +78,11 @@ class Controller:
         self.workers, self.pg = [], None
 
     async def _reserve(self, use_gpu: bool) -> None:
-        bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
-        tp = self.config.tensor_parallel_size
-        self.pg = placement_group([dict(bundle)] * tp, strategy=self.config.placement_strategy)
-        try:
-            await asyncio.wait_for(self.pg.ready(), timeout=self.config.placement_timeout_s)
-        except asyncio.TimeoutError:
-            remove_placement_group(self.pg)
-            raise PlacementError(
-                f"Could not place {tp} TP rank(s) of {bundle} each with strategy "
-                f"{self.config.placement_strategy} within {self.config.placement_timeout_s:.0f} "
-                f"s. The cluster has {ray.cluster_resources()} in total and "
-                f"{ray.available_resources()} available."
-            ) from None
+        self.cpus_per_worker = cpus_per_worker(self.config, use_gpu)
+        self.pg = await reserve(self.config, worker_bundle(use_gpu, self.cpus_per_worker))
 
     async def _start_workers(self, use_gpu: bool) -> None:
-        actor_class = remote_worker_class(num_cpus=1, num_gpus=1 if use_gpu else 0)
-        # A rank whose bundle reserved a GPU must run on it: never a silent CPU fallback.
-        options = self.config.worker_options(device="cuda" if use_gpu else "cpu")
-        self.workers = [
-            actor_class.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=rank
-                )
-            ).remote(rank, options)
-            for rank in range(self.config.tensor_parallel_size)
-        ]
+        self.workers = start_worker_actors(self.config, self.pg, use_gpu, self.cpus_per_worker)
         address = await self.workers[0].rendezvous_address.remote()
         await asyncio.gather(*(w.init_tp_group.remote(address) for w in self.workers))
         await asyncio.gather(*(w.load_model.remote() for w in self.workers))

@@ -49,12 +49,14 @@ class AttentionMetadata:
 def build_attention_metadata(
     query_lens: Sequence[int],
     seq_lens: Sequence[int],
-    block_tables: Sequence[Sequence[int]],
+    block_tables: Sequence[Sequence[int]] | torch.Tensor,
     block_size: int,
     device: torch.device | str = "cpu",
     num_tokens: int | None = None,
 ) -> AttentionMetadata:
-    """Metadata for one step. ``num_tokens`` pads the slot mapping with -1 (skipped writes)."""
+    """Metadata for one step. ``block_tables`` is one list of block ids per request, or a
+    ready ``[num_reqs, width]`` int32 host tensor (the worker keeps its tables as rows of one,
+    updated by delta). ``num_tokens`` pads the slot mapping with -1 (skipped writes)."""
     _check_batch(query_lens, seq_lens, block_tables, block_size)
     num_actual = sum(query_lens)
     num_tokens = num_actual if num_tokens is None else num_tokens
@@ -63,7 +65,8 @@ def build_attention_metadata(
     starts = [0]
     for query_len in query_lens:
         starts.append(starts[-1] + query_len)
-    table = _block_table(block_tables)
+    is_ready = isinstance(block_tables, torch.Tensor)
+    table = block_tables if is_ready else _block_table(block_tables)
     # One vectorised pass over every token, not a loop per request: this runs every step. It
     # runs on the host (the lists live there); only the results move to ``device``.
     query_len_t = torch.tensor(list(query_lens), dtype=torch.int64, device=HOST)
@@ -104,21 +107,24 @@ def _block_table(block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
 def _check_batch(query_lens, seq_lens, block_tables, block_size) -> None:
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}.")
-    if not len(query_lens) == len(seq_lens) == len(block_tables):
+    if not len(query_lens) == len(seq_lens) == len(block_tables):  # tensors: their rows
         raise ValueError(
             f"query_lens, seq_lens and block_tables must have one entry per request; got "
             f"{len(query_lens)}, {len(seq_lens)} and {len(block_tables)}."
         )
-    for i, (query_len, seq_len, row) in enumerate(
-        zip(query_lens, seq_lens, block_tables, strict=True)
-    ):
+    widths = (
+        [block_tables.shape[1]] * len(seq_lens)
+        if isinstance(block_tables, torch.Tensor)
+        else [len(row) for row in block_tables]
+    )
+    for i, (query_len, seq_len, width) in enumerate(zip(query_lens, seq_lens, widths, strict=True)):
         if not 0 <= query_len <= seq_len:
             raise ValueError(
                 f"Request {i}: need 0 <= query_len <= seq_len, got {query_len} and {seq_len}."
             )
         needed = -(-seq_len // block_size)
-        if len(row) < needed:
+        if width < needed:
             raise ValueError(
                 f"Request {i}: {seq_len} tokens need {needed} blocks of {block_size}, but its "
-                f"block table has {len(row)}."
+                f"block table has {width}."
             )

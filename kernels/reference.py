@@ -87,14 +87,14 @@ def paged_attention_reference(
         )
         key = cells[..., :head_size].float()
         value = cells[..., head_size : head_size + head_size_v].float()
-        request_out = _attend_one_request(
+        request_out = attend_one_request(
             query[starts[i] : starts[i + 1]].float(), key, value, params
         )
         out[starts[i] : starts[i + 1]] = request_out.to(out.dtype)
     return out
 
 
-def _attend_one_request(
+def attend_one_request(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: AttentionParams
 ) -> torch.Tensor:
     query_len, num_q_heads, head_size = query.shape

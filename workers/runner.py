@@ -16,6 +16,8 @@ import torch
 
 from kernels.backends import AttentionBackend
 from kvcore import KVCacheConfig
+from kvcore._math import cdiv
+from workers.block_table import BlockTable
 from workers.forward_context import ForwardContext, set_forward_context
 from workers.parallel import broadcast_from_first, get_tp_group
 from workers.sampling import Sampler, SamplingParams
@@ -25,7 +27,6 @@ from workers.step_plan import NewRequest, RequestDelta, StepPlan, StepResult
 @dataclass
 class RunnerRequest:
     token_ids: list[int]
-    block_ids: list[list[int]]  # per KV-cache group
     sampling: SamplingParams
 
 
@@ -52,6 +53,11 @@ class ModelRunner:
         self.device = torch.device(device)
         self.requests: dict[str, RunnerRequest] = {}
         self.sampler = Sampler(self.device)
+        # One table per KV-cache group, rows updated by each step's deltas.
+        self.block_tables = [
+            BlockTable(cdiv(config.max_model_len, group.kv_cache_spec.block_size))
+            for group in config.kv_cache_groups
+        ]
         # Which group each attention layer's blocks come from.
         self.layer_groups = {
             name: index
@@ -69,22 +75,24 @@ class ModelRunner:
         return StepResult(sampled=sampled, forward_seconds=forward_seconds)
 
     def _update_state(self, plan: StepPlan) -> None:
-        for request_id in plan.preempted_ids:
+        for request_id in [*plan.preempted_ids, *plan.finished_ids]:
             self.requests.pop(request_id, None)
+            for table in self.block_tables:
+                table.remove(request_id)
         for request_id in plan.finished_ids:
-            self.requests.pop(request_id, None)
             self.sampler.remove_request(request_id)
         for new in plan.new_requests:
             self.requests[new.request_id] = RunnerRequest(
-                token_ids=list(new.token_ids),
-                block_ids=[list(ids) for ids in new.block_ids],
-                sampling=new.sampling,
+                token_ids=list(new.token_ids), sampling=new.sampling
             )
+            for table, ids in zip(self.block_tables, new.block_ids, strict=True):
+                table.add(new.request_id, ids)
             self.sampler.add_request(new.request_id, new.sampling)
         for delta in plan.deltas:
-            state = self.requests[delta.request_id]
-            for group_ids, added in zip(state.block_ids, delta.new_block_ids, strict=True):
-                group_ids.extend(added)
+            if delta.request_id not in self.requests:
+                raise ValueError(f"A delta for request {delta.request_id!r}, which is not here")
+            for table, added in zip(self.block_tables, delta.new_block_ids, strict=True):
+                table.append(delta.request_id, added)
 
     def _schedule(self, plan: StepPlan) -> ScheduledBatch:
         batch = ScheduledBatch([], [], [], [], [])
@@ -113,11 +121,11 @@ class ModelRunner:
             self.backend.build_metadata(
                 batch.query_lens,
                 batch.seq_lens,
-                [self.requests[r].block_ids[index] for r in batch.request_ids],
+                table.rows(batch.request_ids),
                 group.kv_cache_spec.block_size,
                 self.device,
             )
-            for index, group in enumerate(self.config.kv_cache_groups)
+            for table, group in zip(self.block_tables, self.config.kv_cache_groups, strict=True)
         ]
         context = ForwardContext(
             backend=self.backend,
@@ -130,6 +138,8 @@ class ModelRunner:
         with torch.inference_mode(), set_forward_context(context):
             started = time.perf_counter()
             hidden = self.model(token_ids, positions)  # [T, hidden]
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # kernels run asynchronously: time them
             return hidden, time.perf_counter() - started
 
     def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor) -> dict[str, int]:

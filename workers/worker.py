@@ -20,6 +20,7 @@ from workers.default_model import is_embedded, load_default_weights, model_confi
 from workers.device import distributed_backend, select_device
 from workers.kv_cache import allocate_kv_cache
 from workers.kv_specs import rank_kv_cache_specs
+from workers.layers.cpu_matmul import pack_linear_weights
 from workers.loader import load_weights
 from workers.memory import CudaMemoryProbe, MemorySnapshot, kv_cache_budget
 from workers.model_config import ModelConfig
@@ -47,12 +48,15 @@ class WorkerOptions:
     device: str | None = None
     max_num_batched_tokens: int = 2048  # the largest step, for the memory profile
     max_num_seqs: int = 256  # the most sampled rows in a step, for the memory profile
+    num_threads: int | None = None  # torch threads (a Ray actor's CPUs); None: torch's default
 
 
 class Worker:
     def __init__(self, rank: int, options: WorkerOptions):
         self.rank = rank
         self.options = options
+        if options.num_threads is not None:
+            torch.set_num_threads(options.num_threads)  # Ray's OMP_NUM_THREADS would say 1
         self.device = select_device(options.device)
         # Measures the device around startup to size the cache; None on CPUs, whose cache
         # size is given.
@@ -89,6 +93,8 @@ class Worker:
             load_default_weights(model)
         else:
             load_weights(model, Path(self.options.model), show_progress=self.rank == 0)
+        if self.device.type == "cpu":
+            pack_linear_weights(model)
         self.model = model.eval()
         logger.info("rank %d loaded the model in %.1f s", self.rank, time.perf_counter() - started)
 
@@ -170,6 +176,7 @@ class Worker:
             "kv_cache_bytes": 0 if self._raw_kv_cache is None else self._raw_kv_cache.numel(),
             "num_requests": 0 if self.runner is None else len(self.runner.requests),
             "device": str(self.device),
+            "num_threads": torch.get_num_threads(),
         }
 
     def shutdown(self) -> None:

@@ -1,5 +1,7 @@
-"""The same model and requests through Hugging Face ``generate``, for comparison: padded
-static batches, greedy, every request run to its requested length."""
+"""The same model and requests through Hugging Face ``generate``, for comparison, run as a
+careful user would: on the same device and dtype as kvray, requests sorted by prompt length
+into padded static batches (so padding wastes little), greedy. Each batch runs to its longest
+request's length, but only the tokens each request asked for are credited."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from cluster.bench.workload import BenchRequest
 from workers.default_model import default_checkpoint, is_embedded, model_config_for
 
 
-def load_hf_model(model: str | None):
+def load_hf_model(model: str | None, device: torch.device, dtype: torch.dtype):
     try:
         import transformers
     except ImportError:
@@ -19,7 +21,8 @@ def load_hf_model(model: str | None):
             "--compare transformers needs the transformers package (pip install 'kvray[test]')"
         ) from None
     if not is_embedded(model):
-        return transformers.AutoModelForCausalLM.from_pretrained(model).eval()
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+        return loaded.to(device).eval()
     config = model_config_for(model)
     hf_config = transformers.LlamaConfig(
         vocab_size=config.vocab_size,
@@ -35,17 +38,25 @@ def load_hf_model(model: str | None):
     )
     hf_model = transformers.LlamaForCausalLM(hf_config).eval()
     hf_model.load_state_dict(default_checkpoint(config))
-    return hf_model
+    return hf_model.to(device=device, dtype=dtype)
 
 
 def hf_generate_throughput(
-    model: str | None, requests: list[BenchRequest], batch_size: int
+    model: str | None,
+    requests: list[BenchRequest],
+    batch_size: int,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> dict:
-    hf_model = load_hf_model(model)
+    device = torch.device(device)
+    hf_model = load_hf_model(model, device, dtype)
+    by_length = sorted(requests, key=lambda r: len(r.prompt))
+    synchronize(device)
     started = time.perf_counter()
     with torch.inference_mode():
-        for start in range(0, len(requests), batch_size):
-            batch = requests[start : start + batch_size]
+        for start in range(0, len(by_length), batch_size):
+            batch = by_length[start : start + batch_size]
             longest = max(len(r.prompt) for r in batch)
             ids = torch.zeros(len(batch), longest, dtype=torch.long)
             mask = torch.zeros(len(batch), longest, dtype=torch.long)
@@ -54,20 +65,26 @@ def hf_generate_throughput(
                 mask[row, longest - len(request.prompt) :] = 1
             new_tokens = max(r.max_tokens for r in batch)
             hf_model.generate(
-                ids,
-                attention_mask=mask,
+                ids.to(device),
+                attention_mask=mask.to(device),
                 max_new_tokens=new_tokens,
                 min_new_tokens=new_tokens,
                 do_sample=False,
                 pad_token_id=0,
             )
+    synchronize(device)
     wall = time.perf_counter() - started
     output_tokens = sum(r.max_tokens for r in requests)
     total_tokens = output_tokens + sum(len(r.prompt) for r in requests)
     return {
-        "engine": "transformers",
+        "engine": f"transformers ({device.type}, sorted batches of {batch_size})",
         "requests": len(requests),
         "duration_s": wall,
         "output_tokens_per_s": output_tokens / wall,
         "total_tokens_per_s": total_tokens / wall,
     }
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

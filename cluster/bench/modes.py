@@ -6,12 +6,15 @@ import asyncio
 from contextlib import contextmanager
 
 import msgspec
+import torch
 
 from cluster.bench.measure import latency_summary, run_requests
 from cluster.bench.workload import random_requests, shared_prefix_requests
 from cluster.client import Client
 from cluster.config import EngineConfig
+from cluster.launch import running_engine
 from workers.default_model import model_config_for
+from workers.worker import TORCH_DTYPES
 
 ENGINE_STAT_KEYS = (
     "kv_memory_waste",
@@ -22,22 +25,22 @@ ENGINE_STAT_KEYS = (
 
 
 @contextmanager
-def engine(config: EngineConfig):
-    """An engine for one benchmark run: in this process at TP 1, on Ray otherwise."""
-    if config.tensor_parallel_size == 1:
-        from cluster.local import LocalServer
+def engine(config: EngineConfig, args):
+    """The engine a run measures, and its label: a running server (``--server``, the client
+    here, the engine in its own processes), else one started here on Ray (as ``kvray serve``
+    runs it), or in this process (``--in-process``: the client shares its interpreter)."""
+    server = getattr(args, "server", None)
+    if server is not None:
+        yield server, f"kvray (server {server})"
+        return
+    in_process = getattr(args, "in_process", False)
+    label = "in-process" if in_process else "ray"
+    with running_engine(msgspec.structs.replace(config, port=0), in_process=in_process) as address:
+        yield address, f"kvray ({label}, TP {config.tensor_parallel_size})"
 
-        with LocalServer(msgspec.structs.replace(config, port=0)) as server:
-            yield server.address
-    else:
-        from cluster.commands import local_engine
 
-        with local_engine(msgspec.structs.replace(config, port=0)) as address:
-            yield address
-
-
-def engine_stats(address: str) -> dict:
-    with Client(address) as client:
+def engine_stats(address: str, api_key: str | None = None) -> dict:
+    with Client(address, api_key=api_key) as client:
         info = client.info()
     return {key: info[key] for key in ENGINE_STAT_KEYS}
 
@@ -47,14 +50,15 @@ def throughput(config: EngineConfig, args) -> list[dict]:
     requests = random_requests(
         args.num_prompts, args.input_len, args.output_len, vocab_size=vocab, seed=args.seed
     )
-    with engine(config) as address:
-        timings, wall = asyncio.run(run_requests(address, requests))
-        stats = engine_stats(address)
+    api_key = getattr(args, "api_key", None)
+    with engine(config, args) as (address, label):
+        timings, wall = asyncio.run(run_requests(address, requests, api_key=api_key))
+        stats = engine_stats(address, api_key)
     output_tokens = sum(t.num_output_tokens for t in timings)
     total_tokens = output_tokens + sum(t.num_prompt_tokens for t in timings)
     rows = [
         {
-            "engine": "kvray",
+            "engine": label,
             "requests": len(timings),
             "duration_s": wall,
             "output_tokens_per_s": output_tokens / wall,
@@ -65,7 +69,11 @@ def throughput(config: EngineConfig, args) -> list[dict]:
     if args.compare == "transformers":
         from cluster.bench.hf_baseline import hf_generate_throughput
 
-        baseline = hf_generate_throughput(config.model, requests, args.hf_batch_size)
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        dtype = TORCH_DTYPES[config.dtype or model_config_for(config.model).dtype]
+        baseline = hf_generate_throughput(
+            config.model, requests, args.hf_batch_size, device=device, dtype=dtype
+        )
         baseline["kvray_speedup"] = rows[0]["output_tokens_per_s"] / baseline["output_tokens_per_s"]
         rows.append(baseline)
     return rows
@@ -126,7 +134,7 @@ def prefix(config: EngineConfig, args) -> list[dict]:
     ):
         requests = workloads[workload]
         run_config = msgspec.structs.replace(config, enable_prefix_caching=caching)
-        with engine(run_config) as address:
+        with engine(run_config, args) as (address, _):
             # One request first, so the shared prefix is cached before the measured ones.
             asyncio.run(run_requests(address, requests[:1]))
             timings, wall = asyncio.run(run_requests(address, requests[1:]))

@@ -8,7 +8,14 @@ from cluster.client import Client
 from cluster.config import EngineConfig
 from cluster.controller import start_controller
 
-BASE = dict(kv_cache_memory_bytes=8 << 20, port=0, max_model_len=256, max_num_batched_tokens=64)
+# One CPU per rank, so several engines fit on one test Ray at once.
+BASE = dict(
+    kv_cache_memory_bytes=8 << 20,
+    port=0,
+    max_model_len=256,
+    max_num_batched_tokens=64,
+    cpus_per_worker=1,
+)
 PROMPTS = ["first prompt", "a second, longer prompt", [7, 8, 9, 10, 11]]
 
 

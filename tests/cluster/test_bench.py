@@ -47,7 +47,9 @@ def test_throughput_against_transformers(tmp_path):
         tmp_path=tmp_path,
     )
     kvray, hf = report["results"]
-    assert (kvray["engine"], hf["engine"]) == ("kvray", "transformers")
+    # The default path is kvray serve's (Ray); transformers runs sorted batches on this device.
+    assert kvray["engine"] == "kvray (ray, TP 1)"
+    assert hf["engine"] == "transformers (cpu, sorted batches of 4)"
     assert kvray["requests"] == hf["requests"] == 6
     assert kvray["output_tokens_per_s"] > 0 and hf["output_tokens_per_s"] > 0
     assert kvray["total_tokens_per_s"] > kvray["output_tokens_per_s"]
@@ -67,6 +69,7 @@ def test_prefix_caching_on_and_off(tmp_path):
         "64",
         "--output-len",
         "3",
+        "--in-process",
         *SMALL,
         tmp_path=tmp_path,
     )
@@ -98,6 +101,23 @@ def test_serve_against_a_running_server(tmp_path):
             "WARNING",
             tmp_path=tmp_path,
         )
+        measured = bench(
+            "throughput",
+            "--server",
+            server.address,
+            "--num-prompts",
+            "4",
+            "--input-len",
+            "8-24",
+            "--output-len",
+            "4-12",
+            "--log-level",
+            "WARNING",
+            tmp_path=tmp_path,
+        )
+    (throughput,) = measured["results"]
+    assert throughput["engine"] == f"kvray (server {server.address})"
+    assert throughput["requests"] == 4 and throughput["num_steps"] > 0
     (row,) = report["results"]
     assert row["requests"] == 6 and row["request_rate"] == 50
     for name in ("ttft_ms", "tpot_ms", "itl_ms"):

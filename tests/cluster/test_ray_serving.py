@@ -12,6 +12,7 @@ import ray
 from cluster.client import Client, UnavailableError
 from cluster.config import EngineConfig
 from cluster.local import LocalServer
+from cluster.placement import cpus_per_worker
 from tests.cluster.ray_helpers import BASE, greedy_tokens, serve, stop
 
 
@@ -30,8 +31,12 @@ def reference_tokens():
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_controller_serves_the_same_tokens(local_ray, reference_tokens, tp):
-    handle, address = serve(tensor_parallel_size=tp, kv_cache_layout="BLHNC")
+    cpus = 3 - tp  # TP 1 on two CPUs; TP 2 on one each
+    handle, address = serve(tensor_parallel_size=tp, kv_cache_layout="BLHNC", cpus_per_worker=cpus)
     try:
+        workers = ray.get(handle.worker_handles.remote())
+        # Each rank computes on as many torch threads as its bundle holds CPUs.
+        assert [ray.get(w.health.remote())["num_threads"] for w in workers] == [cpus] * tp
         assert greedy_tokens(address) == reference_tokens
         with Client(address) as client:
             info = client.info()
@@ -82,6 +87,13 @@ def test_a_lost_worker_fails_its_streams_and_the_group_is_rebuilt(local_ray, ref
         assert len(new_workers) == tp and not set(new_workers) & set(workers)
     finally:
         stop(handle)
+
+
+def test_by_default_cpu_ranks_share_the_node(local_ray):
+    assert cpus_per_worker(EngineConfig(tensor_parallel_size=2), use_gpu=False) == 2
+    assert cpus_per_worker(EngineConfig(tensor_parallel_size=3), use_gpu=False) == 1
+    assert cpus_per_worker(EngineConfig(tensor_parallel_size=2), use_gpu=True) == 1
+    assert cpus_per_worker(EngineConfig(cpus_per_worker=3), use_gpu=False) == 3
 
 
 def test_placement_that_cannot_fit_says_what_was_asked(local_ray):

@@ -25,6 +25,7 @@ from cluster.client import (
 from tests.cluster.servers import KINDS, start_server
 
 BASE = dict(
+    cpus_per_worker=1,  # the preemption test runs a second engine beside the first
     kv_cache_memory_bytes=8 << 20,
     port=0,
     max_model_len=256,

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.layers.cpu_matmul import linear, pack_weight
 from workers.parallel import all_gather_last_dim, all_reduce, get_tp_group
 
 
@@ -46,7 +47,15 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary; shares its weight with the embedding when tied."""
 
+    packed_weight: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> bool:
+        """A packed copy for the logits (``workers.layers.cpu_matmul``); the weight itself
+        stays, as the embedding may share it."""
+        self.packed_weight = pack_weight(self.weight)
+        return self.packed_weight is not None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)  # [T, vocab_per_rank]
+        logits = linear(hidden, self.weight, self.packed_weight)  # [T, vocab_per_rank]
         logits = all_gather_last_dim(logits)  # [T, vocab_per_rank * tp]
         return logits[..., : self.vocab_size]

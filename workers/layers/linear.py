@@ -10,10 +10,10 @@ checkpoint tensor, so loading never materialises another rank's shard.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvcore import kv_head_range, num_kv_heads_per_rank
+from workers.layers.cpu_matmul import linear, pack_weight
 from workers.parallel import all_reduce, get_tp_group
 
 
@@ -48,6 +48,7 @@ class ColumnParallelLinear(nn.Module):
         shape = (self.output_size_per_rank, input_size)
         self.weight = _param(shape, dtype, self.weight_loader)
         self.bias = _param(shape[:1], dtype, self.weight_loader) if bias else None
+        self.packed_weight: torch.Tensor | None = None  # see pack_for_cpu
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         _check_shape(param, loaded, (self.output_size, *param.shape[1:]))
@@ -55,7 +56,10 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, start, param.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.packed_weight, self.bias)
+
+    def pack_for_cpu(self) -> bool:
+        return _pack(self)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -134,6 +138,7 @@ class RowParallelLinear(nn.Module):
         self.input_size_per_rank = divide(input_size, get_tp_group().world_size, "input features")
         self.weight = _param((output_size, self.input_size_per_rank), dtype, self.weight_loader)
         self.bias = _param((output_size,), dtype, self.bias_loader) if bias else None
+        self.packed_weight: torch.Tensor | None = None  # see pack_for_cpu
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         _check_shape(param, loaded, (param.shape[0], self.input_size))
@@ -145,5 +150,19 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, 0, param.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = all_reduce(F.linear(x, self.weight))
+        out = all_reduce(linear(x, self.weight, self.packed_weight))
         return out if self.bias is None else out + self.bias
+
+    def pack_for_cpu(self) -> bool:
+        return _pack(self)
+
+
+def _pack(layer: nn.Module) -> bool:
+    """Swap the layer's weight for oneDNN's packed copy on CPUs (``workers.layers.cpu_matmul``);
+    the unpacked weight is let go. False where it stays as it was."""
+    packed = pack_weight(layer.weight)
+    if packed is None:
+        return False
+    layer.packed_weight = packed
+    layer.weight.data = torch.empty(0, dtype=layer.weight.dtype)  # no second copy of the model
+    return True

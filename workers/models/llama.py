@@ -39,7 +39,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        dtype: torch.dtype,
+        rotary_emb: RotaryEmbedding,
+    ):
         super().__init__()
         head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(
@@ -56,7 +62,7 @@ class LlamaAttention(nn.Module):
             bias=config.o_proj_bias,
             dtype=dtype,
         )
-        self.rotary_emb = RotaryEmbedding(head_dim, config.rope_theta)
+        self.rotary_emb = rotary_emb  # one for the whole model
         self.q_norm = (
             RMSNorm(head_dim, config.rms_norm_eps, dtype=dtype) if config.qk_norm else None
         )
@@ -86,10 +92,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        dtype: torch.dtype,
+        rotary_emb: RotaryEmbedding,
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.self_attn = LlamaAttention(config, layer_index, dtype)
+        self.self_attn = LlamaAttention(config, layer_index, dtype, rotary_emb)
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype=dtype
         )
@@ -106,8 +118,9 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, dtype=dtype
         )
+        rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, dtype, rotary_emb) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 

@@ -1,0 +1,39 @@
+"""Starting an engine for one command's use, and stopping it after: on Ray (the path
+``kvray serve`` takes; the default), or in this process (TP 1, no Ray: quicker to start).
+``kvray generate``, ``kvray batch`` and ``kvray bench`` all start theirs here."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from cluster.config import EngineConfig
+
+
+@contextmanager
+def running_engine(config: EngineConfig, *, in_process: bool = False) -> Iterator[str]:
+    """Yields the gRPC address of an engine started with ``config``."""
+    if in_process:
+        from cluster.local import LocalServer
+
+        with LocalServer(config) as server:
+            yield server.address
+        return
+    import ray
+
+    from cluster.controller import start_controller
+
+    # The engine's own logs would interleave with the command's output; keep them off stdout.
+    ray.init(
+        address=os.environ.get("RAY_ADDRESS") or None,
+        log_to_driver=False,
+        logging_level=logging.WARNING,
+    )
+    handle, info = start_controller(config)
+    try:
+        yield info["address"]
+    finally:
+        ray.get(handle.stop.remote())
+        ray.shutdown()

@@ -1,0 +1,226 @@
+/* Paged decode attention on the CPU: one query token per request, read in place from the KV
+ * cache view through its strides (any of the six layouts, kernel-block splits included).
+ *
+ * The work is a list of (request, KV head) items. Each item walks the request's key
+ * positions once: it finds a position's cell through the block table (slot = block *
+ * block_size + offset; kernel block = slot / kernel_block_size, row = slot % ...), scores the
+ * key against every query head that shares this KV head, and keeps an online (flash) softmax
+ * with its value accumulator per query head, in fp32. K and V are read exactly once, with no
+ * copy. Items are split over a few POSIX threads by their number of keys.
+ *
+ * Built by kernels/cpu_attention.py with the system C compiler; its torch reference is
+ * kernels/reference.py::paged_attention_reference.
+ */
+#include <float.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
+#define MAX_HEAD 512     /* head_size and head_size_v bound: the accumulators live on the stack */
+#define MAX_GROUP 64     /* query heads per KV head */
+#define MAX_THREADS 256
+#define CHUNK 32         /* keys scored before each softmax rescale (at most) */
+
+typedef struct {
+    const float *query;            /* [T, Hq, D] contiguous fp32 */
+    float *out;                    /* [T, Hq, Dv] contiguous fp32 */
+    const char *cache;             /* [B, H, N, C] view, element strides below */
+    int64_t stride_cb, stride_ch, stride_cn, stride_cc;
+    int dtype;
+    const int32_t *block_table;    /* [R, stride_bt] */
+    int64_t stride_bt;
+    const int32_t *seq_lens;       /* [R] tokens after this step */
+    const int32_t *token_of;       /* [R] the request's query row in query/out */
+    const float *sinks;            /* [Hq] or NULL */
+    int num_q_heads, num_kv_heads, head_size, head_size_v;
+    int block_size, kernel_block_size;
+    int sliding_window;            /* 0: none */
+    float scale, softcap;          /* softcap 0: none */
+    const int64_t *items;          /* [num_items]: request * num_kv_heads + kv_head */
+    int64_t begin, end;            /* this thread's range of items */
+} DecodeArgs;
+
+static inline float load_element(const char *base, int64_t index, int dtype) {
+    if (dtype == DTYPE_F32) {
+        return ((const float *)base)[index];
+    }
+    if (dtype == DTYPE_BF16) {
+        uint32_t bits = (uint32_t)((const uint16_t *)base)[index] << 16;
+        float value;
+        memcpy(&value, &bits, sizeof value);
+        return value;
+    }
+    return (float)((const _Float16 *)base)[index];
+}
+
+/* A K or V row as fp32: the cache itself when it is contiguous fp32, else a converted copy. */
+static inline const float *row_as_f32(float *scratch, const char *base, int64_t first,
+                                      int64_t stride, int length, int dtype) {
+    if (dtype == DTYPE_F32 && stride == 1) {
+        return (const float *)base + first;
+    }
+    for (int d = 0; d < length; d++) {
+        scratch[d] = load_element(base, first + d * stride, dtype);
+    }
+    return scratch;
+}
+
+/* Eight floats in one register (GCC/Clang vector extension: SSE/AVX on x86, NEON on ARM). */
+typedef float vfloat __attribute__((vector_size(32)));
+#define LANES 8
+
+static inline vfloat vload(const float *p) {
+    vfloat v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float dot(const float *a, const float *b, int n) {
+    vfloat acc = {0};
+    int d = 0;
+    for (; d + LANES <= n; d += LANES) {
+        acc += vload(a + d) * vload(b + d);
+    }
+    float sum = 0.0f;
+    for (int lane = 0; lane < LANES; lane++) {
+        sum += acc[lane];
+    }
+    for (; d < n; d++) {
+        sum += a[d] * b[d];
+    }
+    return sum;
+}
+
+/* acc = acc * scale + sum_j weight[j] * rows[j], each accumulator lane kept in a register
+ * across the rows. */
+static inline void accumulate(float *acc, float scale, const float *weight,
+                              const float *const *rows, int count, int n) {
+    int d = 0;
+    for (; d + LANES <= n; d += LANES) {
+        vfloat sum = vload(acc + d) * scale;
+        for (int j = 0; j < count; j++) {
+            sum += weight[j] * vload(rows[j] + d);
+        }
+        memcpy(acc + d, &sum, sizeof sum);
+    }
+    for (; d < n; d++) {
+        float sum = acc[d] * scale;
+        for (int j = 0; j < count; j++) {
+            sum += weight[j] * rows[j][d];
+        }
+        acc[d] = sum;
+    }
+}
+
+static void decode_item(const DecodeArgs *a, int64_t item) {
+    const int request = (int)(item / a->num_kv_heads);
+    const int kv_head = (int)(item % a->num_kv_heads);
+    const int group = a->num_q_heads / a->num_kv_heads;
+    const int head = a->head_size, head_v = a->head_size_v;
+    const int seq_len = a->seq_lens[request];
+    const int position = seq_len - 1;  /* the query's own position */
+    int first_key = 0;
+    if (a->sliding_window > 0 && position - a->sliding_window + 1 > 0) {
+        first_key = position - a->sliding_window + 1;
+    }
+    const float *query = a->query + (int64_t)a->token_of[request] * a->num_q_heads * head;
+    float *out = a->out + (int64_t)a->token_of[request] * a->num_q_heads * head_v;
+    const int32_t *blocks = a->block_table + (int64_t)request * a->stride_bt;
+
+    float row_max[MAX_GROUP], row_sum[MAX_GROUP];
+    float acc[MAX_GROUP * MAX_HEAD];
+    float logits[MAX_GROUP * CHUNK];
+    float key_scratch[CHUNK * MAX_HEAD], value_scratch[CHUNK * MAX_HEAD];
+    const float *keys[CHUNK], *values[CHUNK];
+    for (int g = 0; g < group; g++) {
+        const int q_head = kv_head * group + g;
+        row_max[g] = a->sinks ? a->sinks[q_head] : -FLT_MAX;  /* finite: exp of it is 0 */
+        row_sum[g] = a->sinks ? 1.0f : 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(group * head_v));
+
+    /* One chunk is a run of rows of one kernel block: consecutive positions whose cells are
+     * stride_cn apart, so the block table and the divisions are consulted once per chunk. */
+    for (int pos = first_key; pos < seq_len;) {
+        const int64_t slot = (int64_t)blocks[pos / a->block_size] * a->block_size
+                             + pos % a->block_size;
+        const int row = (int)(slot % a->kernel_block_size);
+        int count = a->kernel_block_size - row;
+        count = count < seq_len - pos ? count : seq_len - pos;
+        count = count < CHUNK ? count : CHUNK;
+        const int64_t first_cell = (slot / a->kernel_block_size) * a->stride_cb
+                                   + kv_head * a->stride_ch + row * a->stride_cn;
+        for (int j = 0; j < count; j++) {
+            const int64_t cell = first_cell + j * a->stride_cn;
+            keys[j] = row_as_f32(key_scratch + j * head, a->cache, cell, a->stride_cc, head,
+                                 a->dtype);
+            values[j] = row_as_f32(value_scratch + j * head_v, a->cache,
+                                   cell + (int64_t)head * a->stride_cc, a->stride_cc, head_v,
+                                   a->dtype);
+        }
+        for (int g = 0; g < group; g++) {
+            const float *q = query + (int64_t)(kv_head * group + g) * head;
+            float *logit = logits + g * CHUNK;
+            float new_max = row_max[g];
+            for (int j = 0; j < count; j++) {
+                float x = dot(q, keys[j], head) * a->scale;
+                if (a->softcap > 0.0f) {
+                    x = a->softcap * tanhf(x / a->softcap);
+                }
+                logit[j] = x;
+                new_max = x > new_max ? x : new_max;
+            }
+            /* Online softmax: what was summed so far shrinks when the maximum grows. */
+            const float rescale = expf(row_max[g] - new_max);
+            row_max[g] = new_max;
+            row_sum[g] *= rescale;
+            for (int j = 0; j < count; j++) {
+                logit[j] = expf(logit[j] - new_max);
+                row_sum[g] += logit[j];
+            }
+            accumulate(acc + g * head_v, rescale, logit, values, count, head_v);
+        }
+        pos += count;
+    }
+    for (int g = 0; g < group; g++) {
+        float *dst = out + (int64_t)(kv_head * group + g) * head_v;
+        const float inverse = row_sum[g] > 0.0f ? 1.0f / row_sum[g] : 0.0f;
+        for (int d = 0; d < head_v; d++) {
+            dst[d] = acc[g * head_v + d] * inverse;
+        }
+    }
+}
+
+static void *decode_range(void *arg) {
+    const DecodeArgs *a = (const DecodeArgs *)arg;
+    for (int64_t i = a->begin; i < a->end; i++) {
+        decode_item(a, a->items[i]);
+    }
+    return NULL;
+}
+
+/* Returns 0, or -1 when a size is beyond the stack accumulators. `bounds` holds
+ * num_threads + 1 item offsets that split the work. */
+int paged_decode_attention(DecodeArgs *args, const int64_t *bounds, int num_threads) {
+    if (args->head_size > MAX_HEAD || args->head_size_v > MAX_HEAD
+        || args->num_q_heads / args->num_kv_heads > MAX_GROUP || num_threads > MAX_THREADS) {
+        return -1;
+    }
+    pthread_t threads[MAX_THREADS];
+    DecodeArgs parts[MAX_THREADS];
+    for (int t = 0; t < num_threads; t++) {
+        parts[t] = *args;
+        parts[t].begin = bounds[t];
+        parts[t].end = bounds[t + 1];
+    }
+    for (int t = 1; t < num_threads; t++) {
+        pthread_create(&threads[t], NULL, decode_range, &parts[t]);
+    }
+    decode_range(&parts[0]);
+    for (int t = 1; t < num_threads; t++) {
+        pthread_join(threads[t], NULL);
+    }
+    return 0;
+}

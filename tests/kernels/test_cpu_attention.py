@@ -1,0 +1,112 @@
+"""The torch backend's fast CPU paths (the C decode kernel, and SDPA over gathered pages for
+prefill chunks) against dense float64 attention.
+
+Every layout x {prefill, decode, mixed} x GQA {1, 4, 8 -> 1} x {fp32, bf16, fp16} x
+{no feature, window, softcap, sinks}, and a view split into kernel blocks smaller than the
+manager's. Outputs start as NaN, so a row the backend forgets fails. Without a C compiler the
+backend must still serve, through the reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcore
+from kernels import cpu_attention
+from kernels.backends.torch_backend import TorchAttentionBackend
+from kernels.params import AttentionParams
+from tests.kernels.cases import (
+    BATCHES,
+    WINDOW,
+    blocks_needed,
+    make_batch,
+    make_cache,
+    poisoned,
+    relative_error,
+)
+from tests.kernels.test_paged_attention import HEAD_GROUPS, dense_outputs
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOLERANCES = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
+HEAD_SIZE, HEAD_SIZE_V = 16, 16
+
+
+def features(num_q_heads: int) -> dict[str, dict]:
+    sinks = torch.linspace(-1.0, 2.0, num_q_heads)
+    return {"plain": {}, "window": {"sliding_window": WINDOW}, "softcap": {"softcap": 2.5},
+            "sinks": {"sinks": sinks}}  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_is_built():
+    if cpu_attention.decode_kernel() is None:
+        pytest.fail("the CPU decode kernel did not build (a C compiler is part of CI)")
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("layout", [layout.name for layout in kvcore.KVCacheLayout])
+def test_fast_paths_match_dense_attention(layout, dtype_name):
+    backend = TorchAttentionBackend()
+    generator = torch.Generator().manual_seed(hash((layout, dtype_name)) % 2**31)
+    failures = []
+    for group_name, (num_q_heads, num_kv_heads) in HEAD_GROUPS.items():
+        spec = kvcore.FullAttentionSpec(
+            block_size=16, num_kv_heads=num_kv_heads, head_size=HEAD_SIZE, dtype=dtype_name
+        )
+        num_blocks = max(blocks_needed(r, 16) for r in BATCHES.values()) + 2
+        cache = make_cache(layout, spec, num_blocks)
+        for batch_name, requests in BATCHES.items():
+            batch = make_batch(cache, requests, num_q_heads, generator)
+            for feature, extra in features(num_q_heads).items():
+                params = AttentionParams(scale=0.25, num_kv_heads=num_kv_heads, **extra)
+                shape = (batch.query.shape[0], num_q_heads, HEAD_SIZE_V)
+                unwritten = poisoned(shape, batch.query.dtype)
+                out = backend.attend(batch.query, cache.view, batch.metadata, params, unwritten)
+                error = relative_error(out, dense_outputs(batch, params))
+                if error > TOLERANCES[dtype_name]:
+                    failures.append(f"{group_name}/{batch_name}/{feature}: {error:.2e}")
+    assert failures == []
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+def test_kernel_block_split_views(layout):
+    """Manager blocks of 16 tokens over kernel blocks of 4: slots map through both."""
+    spec = kvcore.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype="float32")
+    cache = make_cache(layout, spec, 12, kernel_block_size=4)
+    assert cache.view.shape[2] == 4
+    batch = make_batch(cache, BATCHES["mixed"], 4, torch.Generator().manual_seed(3))
+    params = AttentionParams(scale=0.25, num_kv_heads=2)
+    unwritten = poisoned((batch.query.shape[0], 4, 16), torch.float32)
+    out = TorchAttentionBackend().attend(batch.query, cache.view, batch.metadata, params, unwritten)
+    assert relative_error(out, dense_outputs(batch, params)) < 1e-5
+
+
+def test_without_a_compiler_the_backend_serves_through_the_reference(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "decode_kernel", lambda: None)
+    monkeypatch.setattr("kernels.backends.torch_backend.decode_kernel", lambda: None)
+    spec = kvcore.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype="float32")
+    cache = make_cache("BLHNC", spec, 12)
+    batch = make_batch(cache, BATCHES["decode"], 4, torch.Generator().manual_seed(4))
+    params = AttentionParams(scale=0.25, num_kv_heads=2)
+    unwritten = poisoned((batch.query.shape[0], 4, 16), torch.float32)
+    out = TorchAttentionBackend().attend(batch.query, cache.view, batch.metadata, params, unwritten)
+    assert relative_error(out, dense_outputs(batch, params)) < 1e-5
+
+
+def test_a_missing_compiler_is_reported_not_raised(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no cached library to fall back on
+    cpu_attention.decode_kernel.cache_clear()
+    try:
+        assert cpu_attention.decode_kernel() is None
+    finally:
+        cpu_attention.decode_kernel.cache_clear()
+
+
+def test_the_built_kernel_is_reused_from_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = cpu_attention._build()
+    stamp = first.stat().st_mtime_ns
+    assert cpu_attention._build() == first and first.stat().st_mtime_ns == stamp
+    assert first.parent == tmp_path / "kvray"

@@ -1,0 +1,65 @@
+"""The block tables of the requests a worker holds, one KV-cache group's per object.
+
+Each request owns a row of one host tensor for as long as the worker holds it; a step's
+deltas append to the rows, and the step's table is its requests' rows gathered in one
+``index_select``. Nothing is rebuilt from Python lists each step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class BlockTable:
+    def __init__(self, max_blocks_per_request: int, num_rows: int = 64):
+        self.width = max(1, max_blocks_per_request)
+        self._table = torch.zeros((num_rows, self.width), dtype=torch.int32, device="cpu")
+        self._lens = [0] * num_rows  # blocks in each row
+        self._free_rows = list(range(num_rows - 1, -1, -1))
+        self._row_of: dict[str, int] = {}
+
+    def add(self, request_id: str, block_ids: list[int]) -> None:
+        if not self._free_rows:
+            self._grow()
+        row = self._free_rows.pop()
+        self._row_of[request_id] = row
+        self._lens[row] = 0
+        self._table[row].zero_()  # a reused row: padding stays the null block
+        self.append(request_id, block_ids)
+
+    def append(self, request_id: str, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        row = self._row_of[request_id]
+        start = self._lens[row]
+        if start + len(block_ids) > self.width:
+            raise ValueError(
+                f"Request {request_id}: {start + len(block_ids)} blocks exceed the "
+                f"{self.width} a request of max_model_len can hold"
+            )
+        self._table[row, start : start + len(block_ids)] = torch.tensor(
+            block_ids, dtype=torch.int32, device="cpu"
+        )
+        self._lens[row] = start + len(block_ids)
+
+    def remove(self, request_id: str) -> None:
+        row = self._row_of.pop(request_id, None)
+        if row is not None:
+            self._free_rows.append(row)
+
+    def num_blocks(self, request_id: str) -> int:
+        return self._lens[self._row_of[request_id]]
+
+    def rows(self, request_ids: list[str]) -> torch.Tensor:
+        """``[len(request_ids), width]`` int32: each request's blocks, then zeros (the null
+        block), cut to the longest of these requests."""
+        rows = [self._row_of[r] for r in request_ids]
+        width = max((self._lens[row] for row in rows), default=1)
+        index = torch.tensor(rows, dtype=torch.int64, device="cpu")
+        return self._table[:, : max(width, 1)].index_select(0, index)
+
+    def _grow(self) -> None:
+        old = self._table.shape[0]
+        self._table = torch.cat([self._table, torch.zeros_like(self._table)])
+        self._lens += [0] * old
+        self._free_rows = list(range(2 * old - 1, old - 1, -1))
