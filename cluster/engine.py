@@ -18,8 +18,9 @@ import itertools
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cluster.errors import (
     EngineDeadError,
@@ -30,7 +31,7 @@ from cluster.errors import (
 )
 from cluster.scheduler.detokenizer import IncrementalDetokenizer
 from cluster.scheduler.request import EngineRequest
-from cluster.scheduler.scheduler import Scheduler
+from cluster.scheduler.scheduler import ScheduledStep, Scheduler
 from cluster.scheduler.stop import releasable_text
 from cluster.stats import EngineStats
 from cluster.transport import StepTransport, WorkerLostError
@@ -55,6 +56,13 @@ class EngineState(enum.Enum):
     RECOVERING = "recovering"  # rebuilding the worker group
     DRAINING = "draining"  # finishing what runs, taking nothing new
     DEAD = "dead"
+
+
+@dataclass
+class SentStep:
+    step: ScheduledStep
+    task: asyncio.Future  # the transport's answer
+    sent_at: float = field(default_factory=time.perf_counter)
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,7 @@ class AsyncEngine:
         self._arrivals = itertools.count()
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
+        self._last_answer_at = 0.0
         self.on_serving_change: Callable[[bool], None] | None = None  # health follows this
         self.stats = EngineStats()
 
@@ -225,29 +234,46 @@ class AsyncEngine:
     # -- the loop ---------------------------------------------------------------------------
 
     async def _run(self) -> None:
+        # Steps sent and not yet answered, oldest first: at most two, so the workers find the
+        # next step waiting when one ends (asynchronous scheduling).
+        sent: deque[SentStep] = deque()
         while self.state is not EngineState.DEAD:
-            if not self.scheduler.has_work:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
             try:
-                await self._step()
+                if not sent:
+                    if not self.scheduler.has_work:
+                        self._wakeup.clear()
+                        await self._wakeup.wait()
+                        continue
+                    if not self._send(sent, ahead=False):
+                        await asyncio.sleep(0.001)  # blocked on memory: let frees arrive
+                        continue
+                if len(sent) == 1 and self.scheduler.has_work:
+                    self._send(sent, ahead=True)
+                await self._finish_step(sent.popleft())
             except WorkerLostError as exc:
                 logger.error("The engine lost its worker group: %s", exc)
-                await self._recover(EngineUnavailableError(f"The engine lost a worker: {exc}"))
+                await self._recover(
+                    EngineUnavailableError(f"The engine lost a worker: {exc}"), sent
+                )
             except Exception as exc:  # a bug in scheduling or the transport: never silent
                 logger.exception("The engine step failed")
-                await self._recover(EngineInternalError(f"The engine step failed: {exc!r}"))
+                await self._recover(EngineInternalError(f"The engine step failed: {exc!r}"), sent)
 
-    async def _step(self) -> None:
-        started = time.perf_counter()
-        step = self.scheduler.schedule()
+    def _send(self, sent: deque[SentStep], *, ahead: bool) -> bool:
+        """Schedule a step and send it to the workers; False when there was nothing to send.
+        ``ahead``: the step before it is still running (see ``Scheduler.schedule``)."""
+        step = self.scheduler.schedule(ahead=ahead)
         if step.is_empty:
-            await asyncio.sleep(0.001)  # blocked on memory: let aborts and frees arrive
-            return
-        result = await self.transport.execute(step.plan)
+            return False
+        task = asyncio.ensure_future(self.transport.execute(step.plan))
+        sent.append(SentStep(step, task))
+        return True
+
+    async def _finish_step(self, sent_step: SentStep) -> None:
+        result = await sent_step.task
+        now = time.perf_counter()
         self.num_steps += 1
-        touched, failed = self.scheduler.update(step, result)
+        touched, failed = self.scheduler.update(sent_step.step, result)
         for request in touched:
             try:
                 self._deliver(request)
@@ -255,7 +281,11 @@ class AsyncEngine:
                 failed.append((request, exc))
         for request, exc in failed:
             self._fail_request(request, exc)
-        self.stats.record_step(time.perf_counter() - started, result.forward_seconds)
+        # A step's wall time runs from the previous step's answer (or its own sending, when
+        # the workers were idle) to its own answer; what the forward did not fill is overhead.
+        since = max(sent_step.sent_at, self._last_answer_at)
+        self.stats.record_step(now - since, result.forward_seconds)
+        self._last_answer_at = now
         if self.stats.wants_waste_sample():
             self.stats.record_waste(*self.scheduler.kv_slot_usage())
 
@@ -295,8 +325,12 @@ class AsyncEngine:
 
     # -- recovery ---------------------------------------------------------------------------
 
-    async def _recover(self, error: Exception) -> None:
+    async def _recover(self, error: Exception, sent: deque[SentStep]) -> None:
         """Fail everything in flight with ``error``, then rebuild the worker group."""
+        for step in sent:  # answers of a group that is going away
+            step.task.cancel()
+        await asyncio.gather(*(step.task for step in sent), return_exceptions=True)
+        sent.clear()
         self._set_state(EngineState.RECOVERING, f"{error} The engine is rebuilding; retry.")
         for stream in list(self._streams.values()):
             stream.put_nowait(error)

@@ -4,6 +4,7 @@ actor calls for a compiled graph or shared memory changes this file and nothing 
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from kvcore import decode, encode
@@ -19,14 +20,17 @@ class StepTransport(Protocol):
 
 
 class InProcessTransport:
-    """One in-process worker (TP=1), stepped in a thread so the event loop keeps serving."""
+    """One in-process worker (TP=1), stepped in one thread so the event loop keeps serving
+    and steps sent back to back run in the order they were sent."""
 
     def __init__(self, worker):
         self.worker = worker
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvray-step")
 
     async def execute(self, plan: StepPlan) -> StepResult:
+        loop = asyncio.get_running_loop()
         try:
-            reply = await asyncio.to_thread(self.worker.execute, encode(plan))
+            reply = await loop.run_in_executor(self._thread, self.worker.execute, encode(plan))
         except Exception as exc:
             raise WorkerLostError(f"the worker failed a step: {exc}") from exc
         return decode(reply, StepResult)
@@ -39,6 +43,8 @@ class RayActorTransport:
         self.actors = actors
 
     async def execute(self, plan: StepPlan) -> StepResult:
+        """Ray runs one caller's calls to an actor in the order they were made, so a step sent
+        while the previous one runs waits behind it on every rank."""
         payload = encode(plan)
         try:
             replies = await asyncio.gather(*(a.execute.remote(payload) for a in self.actors))

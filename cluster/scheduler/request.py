@@ -33,6 +33,9 @@ class EngineRequest:
     # there from its first step until it finishes, across preemptions.
     was_sent: bool = False
     finish_reason: str | None = None
+    # Tokens that steps already sent will sample, not yet back here (0 or 1): the workers
+    # know them by the time a later step runs, so the scheduler counts them as known.
+    num_inflight_samples: int = 0
     # Output pending delivery to the client since the last step.
     pending_token_ids: list[int] = field(default_factory=list)
     emitted_text_len: int = 0  # characters already sent, for stop-string hold-back
@@ -52,3 +55,18 @@ class EngineRequest:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens the workers will hold once the steps already sent have run."""
+        return self.kv.num_tokens + self.num_inflight_samples
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens still to compute after the steps already sent."""
+        return self.num_known_tokens - self.kv.num_computed_tokens
+
+    def is_at_limit(self, max_model_len: int) -> bool:
+        """Whether the tokens already coming end it by length (max_tokens or the model's)."""
+        num_outputs = self.num_known_tokens - self.kv.num_prompt_tokens
+        return num_outputs >= self.sampling.max_tokens or self.num_known_tokens >= max_model_len

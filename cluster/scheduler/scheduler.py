@@ -86,21 +86,31 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------
 
-    def schedule(self) -> ScheduledStep:
+    def schedule(self, *, ahead: bool = False) -> ScheduledStep:
+        """The next step. ``ahead``: a step already sent is still running (asynchronous
+        scheduling). Its samples count as known tokens (the workers hold them by then);
+        requests that step ends by length are left out; and nothing is preempted, since a
+        preempted request would lose the token that step samples for it: when a request
+        cannot grow, the step stops there and preemption waits for the results."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[EngineRequest, int, list[list[int]]]] = []
-        budget, preempted = self._schedule_running(budget, scheduled)
+        budget, preempted = self._schedule_running(budget, scheduled, ahead)
         if not preempted:
             self._schedule_waiting(budget, scheduled)
         return self._build_plan(scheduled)
 
-    def _schedule_running(self, budget: int, scheduled) -> tuple[int, bool]:
+    def _schedule_running(self, budget: int, scheduled, ahead: bool) -> tuple[int, bool]:
         preempted = False
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.kv.num_tokens - request.kv.num_computed_tokens, budget)
+            num_new = min(request.num_pending_tokens, budget)
+            if num_new <= 0 or (ahead and request.is_at_limit(self.config.max_model_len)):
+                index += 1
+                continue
             new_blocks = self.coordinator.allocate(request.kv, num_new)
+            if new_blocks is None and ahead:
+                return budget, True  # out of blocks: preempt once the results are in
             while new_blocks is None:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -137,6 +147,7 @@ class Scheduler:
         self.running.remove(request)
         self.coordinator.free(request.kv)
         request.kv.num_computed_tokens = 0
+        request.num_inflight_samples = 0  # preemption waits for every step's results
         request.status = RequestStatus.PREEMPTED
         if request.is_on_workers:
             self._preempted_ids.append(request.request_id)
@@ -145,6 +156,9 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _build_plan(self, scheduled) -> ScheduledStep:
+        """The step's plan; each request's computed count moves past this step's tokens
+        now (so the next step can be planned before this one returns), and a request whose
+        step reaches its last known token will sample one more."""
         new_requests, deltas = [], []
         for request, num_new, new_blocks in scheduled:
             kv = request.kv
@@ -169,6 +183,9 @@ class Scheduler:
                     )
                 )
                 request.is_on_workers = request.was_sent = True
+            kv.num_computed_tokens += num_new
+            if kv.num_computed_tokens == request.num_known_tokens:
+                request.num_inflight_samples += 1
         plan = StepPlan(
             new_requests=new_requests,
             deltas=deltas,
@@ -184,24 +201,27 @@ class Scheduler:
         """Apply a step's result. Returns the requests with new output or a finish, and those
         whose output could not be applied (with why); one request's failure is its own."""
         touched, failed = [], []
-        for request, num_new in step.scheduled:
+        for request, _ in step.scheduled:
             if request.is_finished or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             try:
-                if self._apply(request, num_new, result.sampled.get(request.request_id)):
+                if self._apply(request, result.sampled.get(request.request_id)):
                     touched.append(request)
             except Exception as exc:
                 failed.append((request, exc))
         return touched, failed
 
-    def _apply(self, request: EngineRequest, num_new: int, token: int | None) -> bool:
-        """Advance ``request`` by its step; True when it has a new token."""
+    def _apply(self, request: EngineRequest, token: int | None) -> bool:
+        """Take in ``request``'s part of a step's result; True when it has a new token.
+        Full blocks are offered to the prefix cache up to what the steps sent will have
+        computed: any step that could reuse them runs after those."""
         kv = request.kv
-        kv.num_computed_tokens += num_new
-        self.coordinator.cache_blocks(kv, kv.num_computed_tokens)
+        if token is not None:
+            request.num_inflight_samples -= 1
+            kv.append_token_ids((token,))
+        self.coordinator.cache_blocks(kv, min(kv.num_computed_tokens, kv.num_tokens))
         if token is None:
             return False
-        kv.append_token_ids((token,))
         request.pending_token_ids.append(token)
         request.detokenizer.add([token])
         reason = check_stop(request, token, self.config.eos_token_ids, self.config.max_model_len)

@@ -31,7 +31,16 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> None:
-        write_kv_reference(key, value, kv_cache, metadata.slot_mapping)
+        if metadata.num_actual_tokens != key.shape[0]:  # padded rows: the reference skips them
+            write_kv_reference(key, value, kv_cache, metadata.slot_mapping)
+            return
+        head_size, head_size_v = key.shape[-1], value.shape[-1]
+        kernel_block_size = kv_cache.shape[2]
+        slots = metadata.slot_mapping
+        blocks, offsets = slots // kernel_block_size, slots % kernel_block_size
+        cells = kv_cache[:, : key.shape[1]]  # [B, H, N, C], a view of the cache
+        cells[blocks, :, offsets, :head_size] = key.to(kv_cache.dtype)
+        cells[blocks, :, offsets, head_size : head_size + head_size_v] = value.to(kv_cache.dtype)
 
     def attend(
         self,
@@ -104,21 +113,26 @@ def _attend_request(query, kv_cache, metadata, params, index: int) -> torch.Tens
     value = cells[..., head_size : head_size + params.resolve_head_size_v(head_size)]
     value = value.transpose(0, 1)
     query_len = query.shape[0]
-    # The queries are the last query_len positions: causal from the bottom right.
-    query_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)[:, None]
-    key_pos = torch.arange(seq_len, device=query.device)[None, :]
-    visible = key_pos <= query_pos  # [Q, S]
-    if params.sliding_window is not None:
-        visible &= key_pos > query_pos - params.sliding_window
+    if query_len == seq_len and params.sliding_window is None:
+        visible, is_causal = None, True  # a whole prompt: SDPA's fused causal kernel
+    else:
+        # The queries are the last query_len positions: causal from the bottom right.
+        query_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)[:, None]
+        key_pos = torch.arange(seq_len, device=query.device)[None, :]
+        visible, is_causal = key_pos <= query_pos, False  # [Q, S]
+        if params.sliding_window is not None:
+            visible &= key_pos > query_pos - params.sliding_window
+    # Four dimensions (a batch of one): SDPA's fused CPU kernel takes no fewer.
     out = F.scaled_dot_product_attention(
-        query.transpose(0, 1).float(),  # [Hq, Q, D]
-        key.float(),
-        value.float(),
+        query.transpose(0, 1).float()[None],  # [1, Hq, Q, D]
+        key.float()[None],
+        value.float()[None],
         attn_mask=visible,
+        is_causal=is_causal,
         scale=params.scale,
         enable_gqa=True,
     )
-    return out.transpose(0, 1).to(query.dtype)  # [Q, Hq, Dv]
+    return out[0].transpose(0, 1).to(query.dtype)  # [Q, Hq, Dv]
 
 
 def _gather_pages(kv_cache, block_row, seq_len: int, block_size: int, num_kv_heads: int):

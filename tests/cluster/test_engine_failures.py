@@ -104,7 +104,7 @@ def test_a_failed_step_fails_what_is_in_flight_then_the_engine_serves_again(serv
     async def break_next_schedule():
         scheduler = server.engine.scheduler
 
-        def schedule():
+        def schedule(**_):
             raise RuntimeError("a scheduling bug")
 
         scheduler.schedule = schedule
@@ -129,7 +129,7 @@ def test_when_rebuilding_keeps_failing_the_engine_says_so_and_stops(server):
         async def rebuild():
             raise RuntimeError("no GPUs left")
 
-        def schedule():
+        def schedule(**_):
             raise RuntimeError("a scheduling bug")
 
         server.engine.rebuild = rebuild

@@ -62,8 +62,8 @@ def step(scheduler: Scheduler, tokens: dict[str, int] | None = None, default: in
     ``tokens[id]`` (or ``default``)."""
     scheduled = scheduler.schedule()
     sampled = {}
-    for req, num_new in scheduled.scheduled:
-        if req.kv.num_computed_tokens + num_new == req.kv.num_tokens:
+    for req, _ in scheduled.scheduled:
+        if req.num_inflight_samples:  # its step reaches its last token
             sampled[req.request_id] = (tokens or {}).get(req.request_id, default)
     scheduler.update(scheduled, StepResult(sampled=sampled))
     return scheduled
@@ -123,11 +123,7 @@ def test_preemption_takes_the_newest_and_resumes_it_with_all_tokens():
         resumed = [n for n in scheduled.plan.new_requests if n.request_id == "new"]
         if resumed:
             preempted_plan = resumed[0]
-        sampled = {
-            r.request_id: 66
-            for r, n in scheduled.scheduled
-            if r.kv.num_computed_tokens + n == r.kv.num_tokens
-        }
+        sampled = {r.request_id: 66 for r, _ in scheduled.scheduled if r.num_inflight_samples}
         scheduler.update(scheduled, StepResult(sampled=sampled))
     assert preempted_plan is not None
     # The resumed request carries its prompt and the outputs it had made.

@@ -24,10 +24,14 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``query`` ``[T, Hq, D]`` and ``key`` ``[T, Hk, D]`` rotated by their positions."""
+        return self.rotate(positions, query), self.rotate(positions, key)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Every head of ``x`` ``[T, H, D]`` rotated by its token's position."""
         cos, sin = self._cos_sin(positions)
-        cos = cos.to(query.dtype)[:, None, :]  # [T, 1, D]
-        sin = sin.to(query.dtype)[:, None, :]
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+        cos = cos.to(x.dtype)[:, None, :]  # [T, 1, D]
+        sin = sin.to(x.dtype)[:, None, :]
+        return _rotate(x, cos, sin)
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``[T, D]`` tables of this step, computed once for all layers. The same tensor

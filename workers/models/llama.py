@@ -81,13 +81,18 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q = q.view(num_tokens, self.attn.num_heads, self.attn.head_size)  # [T, Hq, D]
-        k = k.view(num_tokens, self.attn.num_kv_heads, self.attn.head_size)  # [T, Hk, D]
-        v = v.view(num_tokens, self.attn.num_kv_heads, self.attn.head_size)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        num_heads, num_kv_heads = self.attn.num_heads, self.attn.num_kv_heads
+        qkv = self.qkv_proj(hidden)
+        q, k, v = self.qkv_proj.split(qkv)
+        v = v.view(num_tokens, num_kv_heads, self.attn.head_size)  # [T, Hk, D]
+        if self.q_norm is None:
+            # Q and K sit side by side in qkv: one rotation for both heads' rows.
+            qk = qkv[:, : q.shape[1] + k.shape[1]].view(num_tokens, num_heads + num_kv_heads, -1)
+            q, k = self.rotary_emb.rotate(positions, qk).split([num_heads, num_kv_heads], dim=1)
+        else:
+            q = self.q_norm(q.view(num_tokens, num_heads, -1))  # [T, Hq, D]
+            k = self.k_norm(k.view(num_tokens, num_kv_heads, -1))  # [T, Hk, D]
+            q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 
