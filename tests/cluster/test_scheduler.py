@@ -181,3 +181,40 @@ def test_detokenizing_never_rereads_an_unbounded_window():
     assert max(windows) <= CONTEXT_TOKENS + MAX_HELD_TOKENS
     assert len(text) >= 1000 - MAX_HELD_TOKENS and set(text) == {"\ufffd"}
     assert detokenizer.add(list("é".encode())) + detokenizer.flush() == "é"
+
+
+def test_a_step_planned_ahead_counts_the_running_steps_samples():
+    """Asynchronous scheduling: step B is planned while step A runs. B decodes the token A
+    samples (known to the workers by then); a request A ends by length is left out; answers
+    applied in order give the tokens a step-by-step run gives, and every block comes back."""
+    scheduler = make_scheduler(budget=64)
+    idle = scheduler.coordinator.num_free_blocks
+    long = request("long", [1, 2, 3, 4, 5], 0, max_tokens=3)
+    scheduler.add(long)
+    scheduler.add(request("short", [9, 9], 1, max_tokens=1))
+    step_a = scheduler.schedule()
+    step_b = scheduler.schedule(ahead=True)
+    assert [(r.request_id, n) for r, n in step_b.scheduled] == [("long", 1)]  # short is done
+    (delta,) = step_b.plan.deltas
+    assert (delta.num_computed_tokens, delta.num_new_tokens) == (5, 1)
+    scheduler.update(step_a, StepResult(sampled={"long": 70, "short": 71}))
+    assert long.kv.token_ids == [1, 2, 3, 4, 5, 70]
+    assert "short" not in scheduler.requests  # finished by length: max_tokens 1
+    step_c = scheduler.schedule(ahead=True)  # B still runs
+    scheduler.update(step_b, StepResult(sampled={"long": 72}))
+    scheduler.update(step_c, StepResult(sampled={"long": 74}))
+    assert (long.output_token_ids, long.finish_reason) == ([70, 72, 74], "length")
+    assert scheduler.coordinator.num_free_blocks == idle
+
+
+def test_planning_ahead_never_preempts():
+    scheduler = make_scheduler(num_blocks=7, budget=64, max_model_len=24)
+    scheduler.add(request("a", list(range(11)), 0, max_tokens=12))  # 3 of 6 usable blocks
+    scheduler.add(request("b", list(range(50, 61)), 1, max_tokens=12))  # the other 3
+    step(scheduler)
+    running = scheduler.schedule()  # both decode their 12th token: their blocks' last slots
+    assert len(running.scheduled) == 2
+    ahead = scheduler.schedule(ahead=True)
+    assert ahead.is_empty and scheduler.num_preemptions == 0
+    scheduler.update(running, StepResult(sampled={"a": 1, "b": 2}))
+    assert scheduler.schedule().plan.preempted_ids == ["b"]  # now it may preempt
