@@ -81,8 +81,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--attention-backend",
-        default=env_default("KVRAY_ATTENTION_BACKEND", "torch"),
-        help="torch (CPU) or triton (GPU) (default torch)",
+        default=env_default("KVRAY_ATTENTION_BACKEND"),
+        help="torch or triton (default: triton on GPU workers, torch on CPU ones)",
     )
     g.add_argument(
         "--dtype",

@@ -21,7 +21,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_queue_len: int = 1024  # waiting requests beyond this are refused (RESOURCE_EXHAUSTED)
-    attention_backend: str = "torch"
+    attention_backend: str | None = None  # None: triton on GPU workers, torch on CPU ones
     dtype: str | None = None
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT  # 0 picks a free port
@@ -53,12 +53,19 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if bad:
             raise ValueError(f"invalid engine settings: {', '.join(bad)} (got {self})")
 
+    def for_workers_on(self, *, use_gpu: bool) -> EngineConfig:
+        """These settings with the defaults that depend on the workers' device filled in."""
+        backend = self.attention_backend or ("triton" if use_gpu else "torch")
+        return msgspec.structs.replace(self, attention_backend=backend, use_gpu=use_gpu)
+
     def worker_options(self, device: str | None = None, num_threads: int | None = None):
         """What each TP rank's worker needs of these settings (a ``WorkerOptions``), on
         ``device`` ("cuda" when the rank's placement reserved a GPU, "cpu", or None: any)
         with ``num_threads`` torch threads (None: torch's default)."""
         from workers.worker import WorkerOptions  # torch-heavy; only engines need it
 
+        if self.attention_backend is None:
+            raise ValueError("worker_options() of settings not yet resolved by for_workers_on()")
         return WorkerOptions(
             device=device,
             num_threads=num_threads,

@@ -41,6 +41,7 @@ class Controller:
             self.use_gpu = ray.cluster_resources().get("GPU", 0) > 0
         else:
             self.use_gpu = self.config.use_gpu
+        self.config = self.config.for_workers_on(use_gpu=self.use_gpu)
         transport, kv_config = await self._start_group()
         self.engine = build_engine(
             self.config, self.model_config, kv_config, transport, rebuild=self._rebuild

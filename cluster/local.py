@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import torch
+
 from cluster.assembly import build_engine, build_scheduler, build_server, connect_health
 from cluster.config import EngineConfig
 from cluster.scheduler.scheduler import Scheduler
@@ -22,7 +24,7 @@ class LocalServer:
     def __init__(self, config: EngineConfig):
         if config.tensor_parallel_size != 1:
             raise ValueError("The in-process server runs TP=1; use kvray serve for more ranks.")
-        self.config = config
+        self.config = config.for_workers_on(use_gpu=torch.cuda.is_available())
         self.worker, self.kv_config = self._start_worker()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()

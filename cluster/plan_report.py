@@ -15,7 +15,7 @@ from workers.kv_specs import rank_kv_cache_specs
 
 
 def plan_report(config: EngineConfig, model_config, layouts: list[str] | None = None) -> str:
-    backend = get_attention_backend(config.attention_backend)
+    backend = get_attention_backend(config.attention_backend or "torch")  # same geometry
     tp = config.tensor_parallel_size
     specs = rank_kv_cache_specs(
         model_config,
