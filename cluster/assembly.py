@@ -4,17 +4,21 @@ scheduler, engine, gRPC server. Shared by the Ray controller and the in-process 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from cluster.config import EngineConfig
 from cluster.engine import AsyncEngine, Rebuild
+from cluster.http import start_http_server
+from cluster.http.server import HttpServer
+from cluster.metrics import EngineMetrics
 from cluster.scheduler.scheduler import Scheduler, SchedulerConfig
 from cluster.server import ApiServer
 from cluster.server_info import static_info
 from kvcore import KVCacheConfig
 from kvcore.coordinator import KVCacheCoordinator
-from workers.default_model import is_embedded, model_display_name
+from workers.default_model import model_display_name
 from workers.model_config import ModelConfig
-from workers.tokenizer import load_tokenizer
+from workers.tokenizer import load_tokenizer_for
 
 
 def build_scheduler(
@@ -46,9 +50,8 @@ def build_engine(
 ) -> AsyncEngine:
     """The engine over a started worker group; ``rebuild`` replaces the group after a
     failure (without it, a lost worker stops the engine)."""
-    model_dir = None if is_embedded(config.model) else config.model
-    tokenizer = load_tokenizer(model_dir, model_config.eos_token_ids)
-    return AsyncEngine(
+    tokenizer = load_tokenizer_for(config.model, model_config.eos_token_ids)
+    engine = AsyncEngine(
         build_scheduler(config, model_config, kv_config),
         transport,
         tokenizer,
@@ -58,6 +61,14 @@ def build_engine(
         rebuild=rebuild,
         max_rebuild_attempts=config.max_rebuild_attempts,
     )
+    engine.default_sampling = dict(model_config.default_sampling or {})
+    engine.set_metrics(EngineMetrics(served_model_name(config)))
+    return engine
+
+
+def served_model_name(config: EngineConfig) -> str:
+    """The model's name in the APIs: --served-model-name, else the --model path or name."""
+    return config.served_model_name or model_display_name(config.model)
 
 
 def connect_health(engine: AsyncEngine, server: ApiServer) -> None:
@@ -67,10 +78,44 @@ def connect_health(engine: AsyncEngine, server: ApiServer) -> None:
 
 def build_server(config: EngineConfig, engine: AsyncEngine, kv_config: KVCacheConfig) -> ApiServer:
     info = static_info(
-        model_display_name(config.model),
+        served_model_name(config),
         config.tensor_parallel_size,
         config.attention_backend,
         kv_config,
         engine.vocab_size,
     )
     return ApiServer(engine, info, host=config.host, port=config.port, api_key=config.api_key)
+
+
+@dataclass
+class Serving:
+    """An engine with its front ends: gRPC always, the HTTP API when configured."""
+
+    engine: AsyncEngine
+    grpc: ApiServer
+    http: HttpServer | None
+
+    async def stop(self, grace: float = 1.0) -> None:
+        if self.http is not None:
+            await self.http.stop()
+        await self.grpc.stop(grace)
+        await self.engine.stop()
+
+
+async def start_serving(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    kv_config: KVCacheConfig,
+    transport,
+    rebuild: Rebuild | None = None,
+) -> Serving:
+    """Build the engine over a started worker group, start its loop and its front ends."""
+    engine = build_engine(config, model_config, kv_config, transport, rebuild)
+    grpc_server = build_server(config, engine, kv_config)
+    connect_health(engine, grpc_server)
+    engine.start()
+    await grpc_server.start()
+    http = await start_http_server(
+        config, engine, kv_config.max_model_len, served_model_name(config)
+    )
+    return Serving(engine, grpc_server, http)

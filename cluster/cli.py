@@ -10,8 +10,10 @@ import argparse
 import logging
 import sys
 
-from cluster.config import DEFAULT_PORT, EngineConfig
+from cluster.config import DEFAULT_HTTP_PORT, DEFAULT_PORT, EngineConfig
 from cluster.env import env_default, parse_bytes
+
+engine_default = EngineConfig.default  # help texts show the one definition of each default
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -25,8 +27,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size",
         "-tp",
         type=int,
-        default=1,
-        help="TP ranks, one worker actor each (default 1)",
+        default=None,
+        help=f"TP ranks, one worker actor each (default {engine_default('tensor_parallel_size')})",
     )
     g.add_argument(
         "--max-model-len",
@@ -34,7 +36,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="longest prompt + output in tokens (default: the model's)",
     )
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help=f"tokens per KV block (default {engine_default('block_size')})",
+    )
     g.add_argument(
         "--kv-cache-layout",
         default=env_default("KVRAY_KV_CACHE_LAYOUT"),
@@ -44,19 +51,20 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=None,
         help="reuse the KV cache of shared prompt prefixes (default on)",
     )
     g.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=0.9,
-        help="fraction of each GPU kvray may use (default 0.9)",
+        default=None,
+        help="fraction of each GPU kvray may use "
+        f"(default {engine_default('gpu_memory_utilization')})",
     )
     g.add_argument(
         "--kv-cache-memory",
-        default=env_default("KVRAY_KV_CACHE_MEMORY", "256MiB"),
-        help="KV cache size per rank on CPU workers, e.g. 512MiB (default 256MiB); ignored on GPUs",
+        default=env_default("KVRAY_KV_CACHE_MEMORY", "1GiB"),
+        help="KV cache size per rank on CPU workers, e.g. 512MiB (default 1GiB); ignored on GPUs",
     )
     g.add_argument(
         "--num-gpu-blocks-override",
@@ -65,19 +73,23 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="use exactly this many KV blocks (testing)",
     )
     g.add_argument(
-        "--max-num-seqs", type=int, default=256, help="requests running at once (default 256)"
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help=f"requests running at once (default {engine_default('max_num_seqs')})",
     )
     g.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=2048,
-        help="tokens per engine step (default 2048)",
+        default=None,
+        help=f"tokens per engine step (default {engine_default('max_num_batched_tokens')})",
     )
     g.add_argument(
         "--max-queue-len",
         type=int,
-        default=1024,
-        help="waiting requests before new ones are refused (default 1024)",
+        default=None,
+        help="waiting requests before new ones are refused "
+        f"(default {engine_default('max_queue_len')})",
     )
     g.add_argument(
         "--attention-backend",
@@ -99,9 +111,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--placement-strategy",
-        default="PACK",
+        default=None,
         choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
-        help="how TP ranks spread over nodes (default PACK)",
+        help=f"how TP ranks spread over nodes (default {engine_default('placement_strategy')})",
     )
 
 
@@ -119,50 +131,75 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
         help=f"gRPC port (default {DEFAULT_PORT}; 0 picks a free one)",
     )
     g.add_argument(
+        "--http-port",
+        type=http_port,
+        default=DEFAULT_HTTP_PORT,
+        help=f"port of the OpenAI-compatible HTTP API (default {DEFAULT_HTTP_PORT}; 0 picks a "
+        "free one; 'off' serves gRPC only)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name in the APIs (default: the --model path or embedded name)",
+    )
+    g.add_argument(
         "--api-key",
         default=env_default("KVRAY_API_KEY"),
-        help="require 'authorization: Bearer <key>' on every call but health",
+        help="require 'authorization: Bearer <key>' on every gRPC call but health and on the "
+        "HTTP /v1 routes",
     )
     g.add_argument(
         "--max-rebuild-attempts",
         type=int,
-        default=3,
+        default=None,
         help="after a worker is lost, rebuild the worker group up to this many times before "
-        "giving up (default 3; 0 stops serving at the first loss)",
+        f"giving up (default {engine_default('max_rebuild_attempts')}; 0: stop at the first)",
     )
     g.add_argument(
         "--drain-timeout",
         type=float,
-        default=30.0,
+        default=None,
         help="on SIGTERM, seconds in-flight requests may take to finish before they are "
-        "aborted (default 30)",
+        f"aborted (default {engine_default('drain_timeout_s'):g})",
     )
+
+
+def http_port(text: str) -> int | None:
+    if text.strip().lower() in ("off", "none", "no"):
+        return None
+    return int(text)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        tensor_parallel_size=args.tensor_parallel_size,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        kv_cache_layout=args.kv_cache_layout,
-        enable_prefix_caching=args.enable_prefix_caching,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory_bytes=parse_bytes(args.kv_cache_memory),
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_queue_len=args.max_queue_len,
-        attention_backend=args.attention_backend,
-        dtype=args.dtype,
-        placement_strategy=args.placement_strategy,
-        cpus_per_worker=args.cpus_per_worker,
-        host=getattr(args, "host", "127.0.0.1"),
-        port=getattr(args, "port", 0),
-        api_key=getattr(args, "api_key", None),
-        drain_timeout_s=getattr(args, "drain_timeout", 30.0),
-        max_rebuild_attempts=getattr(args, "max_rebuild_attempts", 3),
-    )
+    """The settings the command line gives; what it leaves out keeps EngineConfig's default."""
+    given = {
+        "model": args.model,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "max_model_len": args.max_model_len,
+        "block_size": args.block_size,
+        "kv_cache_layout": args.kv_cache_layout,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "kv_cache_memory_bytes": parse_bytes(args.kv_cache_memory),
+        "num_gpu_blocks_override": args.num_gpu_blocks_override,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_queue_len": args.max_queue_len,
+        "attention_backend": args.attention_backend,
+        "dtype": args.dtype,
+        "placement_strategy": args.placement_strategy,
+        "cpus_per_worker": args.cpus_per_worker,
+        "host": getattr(args, "host", None),
+        "port": getattr(args, "port", 0),
+        "api_key": getattr(args, "api_key", None),
+        "http_port": getattr(args, "http_port", None),
+        "served_model_name": getattr(args, "served_model_name", None),
+        "drain_timeout_s": getattr(args, "drain_timeout", None),
+        "max_rebuild_attempts": getattr(args, "max_rebuild_attempts", None),
+    }
+    # http_port None means "off": it is given, not left out, whenever the command has the flag.
+    keep = {"http_port"} if hasattr(args, "http_port") else set()
+    return EngineConfig(**{k: v for k, v in given.items() if v is not None or k in keep})
 
 
 def add_in_process_flag(parser: argparse.ArgumentParser) -> None:
@@ -275,9 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="tokens to generate at most (default 16, or fewer when the prompt leaves less room)",
     )
-    generate.add_argument("--temperature", type=float, default=1.0)
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--top-k", type=int, default=0)
+    # Unset sampling fields take the server's defaults (the model's generation_config.json).
+    generate.add_argument("--temperature", type=float, default=None)
+    generate.add_argument("--top-p", type=float, default=None)
+    generate.add_argument("--top-k", type=int, default=None)
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--stop", action="append", default=None, help="a stop string (repeat)")
     generate.add_argument("--ignore-eos", action="store_true")
@@ -288,6 +326,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="text streams the completion; json prints it with token ids",
     )
     add_engine_flags(generate)
+
+    chat = commands.add_parser(
+        "chat",
+        parents=[common],
+        help="talk to a chat model: one question (--prompt), or a conversation on stdin",
+    )
+    chat.add_argument("--server", default=None, help="HOST:PORT (default: start a local engine)")
+    chat.add_argument("--api-key", default=env_default("KVRAY_API_KEY"))
+    chat.add_argument("--prompt", default=None, help="one question; without it, read turns")
+    chat.add_argument("--system", default=None, help="a system message first")
+    chat.add_argument("--max-tokens", type=int, default=256, help="per answer (default 256)")
+    chat.add_argument("--temperature", type=float, default=None)
+    chat.add_argument("--seed", type=int, default=None)
+    add_in_process_flag(chat)
+    add_engine_flags(chat)
 
     batch = commands.add_parser(
         "batch", parents=[common], help="generate for every line of a JSONL file, in order"
@@ -337,9 +390,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return getattr(commands, args.command)(args)  # one function per subcommand
-    except (ValueError, OSError) as exc:
-        print(f"kvray {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # one readable line, not a traceback (see cluster.cli_errors)
+        from cluster.cli_errors import report
+
+        return report(args.command, exc)
 
 
 if __name__ == "__main__":

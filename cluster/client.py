@@ -4,6 +4,8 @@ installs and runs anywhere Python and grpcio do.
     from cluster.client import Client
     with Client("127.0.0.1:50051") as client:
         print(client.generate("Hello", max_tokens=8, temperature=0).text)
+        chat = [{"role": "user", "content": "What is the capital of France?"}]
+        print(client.generate(chat, max_tokens=16, temperature=0).text)
         for delta in client.stream([1, 2, 3], max_tokens=8):
             print(delta.token_ids)
 """
@@ -18,10 +20,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.api.v1 import kvray_pb2 as pb
 from cluster.api.v1 import kvray_pb2_grpc as pb_grpc
+from workers.sampling import SAMPLING_FIELDS  # msgspec only: no torch
 
-SAMPLING_KEYS = frozenset(
-    ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
-)
+SAMPLING_KEYS = frozenset(SAMPLING_FIELDS)
 
 
 class KVRayError(Exception):
@@ -69,6 +70,12 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability), most likely first
+
+
+@dataclass(frozen=True)
 class Delta:
     """What one streamed message adds: new tokens and text; the last one finishes."""
 
@@ -77,6 +84,7 @@ class Delta:
     text: str
     finish_reason: str | None
     usage: Usage | None
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when asked for
 
 
 @dataclass(frozen=True)
@@ -86,10 +94,11 @@ class Completion:
     token_ids: list[int]
     finish_reason: str
     usage: Usage
+    logprobs: list[TokenLogprobs] | None = None
 
 
 def build_request(
-    prompt: str | Sequence[int],
+    prompt: str | Sequence[int] | Sequence[dict],
     request_id: str | None,
     sampling: dict,
     cache_salt: str | None = None,
@@ -102,6 +111,9 @@ def build_request(
     request = pb.GenerateRequest(request_id=request_id or "", cache_salt=cache_salt or "")
     if isinstance(prompt, str):
         request.text = prompt
+    elif prompt and isinstance(prompt[0], dict):  # a conversation: the chat template applies
+        for message in prompt:
+            request.conversation.messages.add(role=message["role"], content=message["content"])
     else:
         request.token_ids.ids.extend(int(t) for t in prompt)
     for key, value in sampling.items():
@@ -119,12 +131,19 @@ def _delta(message: pb.GenerateResponse) -> Delta:
     if message.HasField("usage"):
         u = message.usage
         usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
+    logprobs = [
+        TokenLogprobs(
+            entry.logprob, list(zip(entry.top_token_ids, entry.top_logprobs, strict=True))
+        )
+        for entry in message.logprobs
+    ]
     return Delta(
         message.request_id,
         list(message.token_ids),
         message.text,
         message.finish_reason or None,
         usage,
+        logprobs or None,
     )
 
 
@@ -136,6 +155,7 @@ def _collect(deltas: list[Delta]) -> Completion:
         token_ids=[t for d in deltas for t in d.token_ids],
         finish_reason=last.finish_reason or "abort",
         usage=last.usage or Usage(0, 0, 0),
+        logprobs=[entry for d in deltas for entry in d.logprobs or ()] or None,
     )
 
 
@@ -167,14 +187,16 @@ class Client:
 
     def stream(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | Sequence[dict],
         *,
         request_id: str | None = None,
         cache_salt: str | None = None,
         **sampling,
     ) -> Iterator[Delta]:
-        """Deltas as they are made. ``cache_salt`` keeps the prompt out of the prefix-cache
-        hits of requests with another salt (a tenant's own cache)."""
+        """Deltas as they are made. ``prompt`` is text, token ids, or a conversation (a list
+        of ``{"role", "content"}`` messages, rendered with the model's chat template).
+        ``cache_salt`` keeps the prompt out of the prefix-cache hits of requests with another
+        salt (a tenant's own cache)."""
         request = build_request(prompt, request_id, sampling, cache_salt)
         call = self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
         try:
@@ -187,7 +209,7 @@ class Client:
 
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | Sequence[dict],
         *,
         request_id: str | None = None,
         cache_salt: str | None = None,
@@ -246,7 +268,7 @@ class AsyncClient:
 
     async def stream(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | Sequence[dict],
         *,
         request_id: str | None = None,
         cache_salt: str | None = None,
@@ -264,7 +286,7 @@ class AsyncClient:
 
     async def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | Sequence[dict],
         *,
         request_id: str | None = None,
         cache_salt: str | None = None,

@@ -20,11 +20,13 @@ def serve(args) -> int:
     from cluster.controller import start_controller
 
     config = engine_config(args)
+    model_config_for(config.model)  # a missing or unsupported model fails before Ray starts
     ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=True)
     handle, info = start_controller(config)
+    http = f", OpenAI API at http://{info['http_address']}/v1" if info["http_address"] else ""
     print(
         f"kvray: serving {model_display_name(config.model)} on {info['address']} "
-        f"(TP {config.tensor_parallel_size}); KV cache: {info['num_blocks']} blocks, "
+        f"(TP {config.tensor_parallel_size}){http}; KV cache: {info['num_blocks']} blocks, "
         f"{info['capacity_tokens']} tokens, max concurrency {info['max_concurrency']:.2f}x, "
         f"layout {info['layout']}",
         flush=True,
@@ -75,6 +77,47 @@ def generate(args) -> int:
         Client(address) as client,
     ):
         return _print_generation(client, args)
+
+
+def chat(args) -> int:
+    if args.server is not None:
+        with Client(args.server, api_key=args.api_key) as client:
+            return _converse(client, args)
+    with (
+        running_engine(engine_config(args), in_process=args.in_process) as address,
+        Client(address) as client,
+    ):
+        return _converse(client, args)
+
+
+def _converse(client: Client, args) -> int:
+    """One answer to --prompt, or turns read from stdin (an empty line or EOF ends it); the
+    answers stream, and the conversation so far goes with each turn."""
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    turns = [args.prompt] if args.prompt is not None else _read_turns()
+    for turn in turns:
+        messages.append({"role": "user", "content": turn})
+        answer = ""
+        for delta in client.stream(messages, **sampling):
+            answer += delta.text
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": answer})
+    return 0
+
+
+def _read_turns():
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            sys.stdout.write("> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line.strip():
+            return
+        yield line.rstrip("\n")
 
 
 def batch(args) -> int:

@@ -5,26 +5,31 @@ from __future__ import annotations
 
 import msgspec
 
+from workers import defaults
+
 DEFAULT_PORT = 50051
+DEFAULT_HTTP_PORT = 8000
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: str | None = None  # a Hugging Face model directory; None = the embedded default
     tensor_parallel_size: int = 1
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    block_size: int = 16
+    block_size: int = defaults.BLOCK_SIZE
     kv_cache_layout: str | None = None  # None: the attention backend's first choice
     enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = defaults.GPU_MEMORY_UTILIZATION
     kv_cache_memory_bytes: int | None = None  # required on CPU-only workers
     num_gpu_blocks_override: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = defaults.MAX_NUM_SEQS
+    max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS
     max_queue_len: int = 1024  # waiting requests beyond this are refused (RESOURCE_EXHAUSTED)
     attention_backend: str | None = None  # None: triton on GPU workers, torch on CPU ones
     dtype: str | None = None
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT  # 0 picks a free port
+    http_port: int | None = None  # the OpenAI-compatible HTTP API; None: off (kvray serve: 8000)
+    served_model_name: str | None = None  # the model's name in the APIs; None: from --model
     api_key: str | None = None
     placement_strategy: str = "PACK"
     placement_timeout_s: float = 120.0
@@ -46,12 +51,18 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             "max_rebuild_attempts": self.max_rebuild_attempts >= 0,
             "cpus_per_worker": self.cpus_per_worker is None or self.cpus_per_worker >= 1,
             "port": 0 <= self.port < 65536,
+            "http_port": self.http_port is None or 0 <= self.http_port < 65536,
             "placement_strategy": self.placement_strategy
             in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid engine settings: {', '.join(bad)} (got {self})")
+
+    @classmethod
+    def default(cls, name: str):
+        """A field's default, for the CLI's help (one definition of each default)."""
+        return next(f.default for f in msgspec.structs.fields(cls) if f.name == name)
 
     def for_workers_on(self, *, use_gpu: bool) -> EngineConfig:
         """These settings with the defaults that depend on the workers' device filled in."""

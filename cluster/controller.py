@@ -10,7 +10,7 @@ import ray
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cluster.assembly import build_engine, build_scheduler, build_server, connect_health
+from cluster.assembly import build_scheduler, start_serving
 from cluster.config import EngineConfig
 from cluster.placement import cpus_per_worker, reserve, start_worker_actors, worker_bundle
 from cluster.scheduler.scheduler import Scheduler
@@ -32,7 +32,7 @@ class Controller:
         self.use_gpu = False
         self.cpus_per_worker = 1
         self.engine = None
-        self.server = None
+        self.serving = None  # the engine and its front ends, once started
 
     async def start(self) -> dict:
         """Place and start the workers, agree on the KV plan, start serving; returns the
@@ -43,15 +43,14 @@ class Controller:
             self.use_gpu = self.config.use_gpu
         self.config = self.config.for_workers_on(use_gpu=self.use_gpu)
         transport, kv_config = await self._start_group()
-        self.engine = build_engine(
+        self.serving = await start_serving(
             self.config, self.model_config, kv_config, transport, rebuild=self._rebuild
         )
-        self.server = build_server(self.config, self.engine, kv_config)
-        connect_health(self.engine, self.server)
-        self.engine.start()
-        await self.server.start()
+        self.engine = self.serving.engine
+        http = self.serving.http
         return {
-            "address": self.server.address,
+            "address": self.serving.grpc.address,
+            "http_address": None if http is None else http.address,
             "num_blocks": kv_config.num_blocks,
             "capacity_tokens": kv_config.capacity_tokens,
             "max_concurrency": kv_config.max_concurrency,
@@ -125,10 +124,8 @@ class Controller:
         return aborted
 
     async def stop(self) -> None:
-        if self.server is not None:
-            await self.server.stop(1.0)
-        if self.engine is not None:
-            await self.engine.stop()
+        if self.serving is not None:
+            await self.serving.stop(1.0)
         self._tear_down_group()
 
 

@@ -29,6 +29,7 @@ from cluster.errors import (
     InvalidRequestError,
     OverloadedError,
 )
+from cluster.metrics import EngineMetrics
 from cluster.scheduler.detokenizer import IncrementalDetokenizer
 from cluster.scheduler.request import EngineRequest
 from cluster.scheduler.scheduler import ScheduledStep, Scheduler
@@ -42,6 +43,7 @@ from cluster.validation import (
     resolve_max_tokens,
 )
 from kvcore.kv_request import KVRequest
+from workers.sampler import TokenLogprobs
 from workers.sampling import SamplingParams
 from workers.tokenizer import Tokenizer
 
@@ -74,6 +76,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None  # one per token in token_ids, when asked for
 
 
 class AsyncEngine:
@@ -97,6 +100,8 @@ class AsyncEngine:
         self.max_queue_len = max_queue_len
         self.rebuild = rebuild
         self.max_rebuild_attempts = max_rebuild_attempts
+        self.default_sampling: dict = {}  # the model's generation defaults, by field name
+        self.metrics: EngineMetrics | None = None
         self.rebuild_backoff_s = 2.0  # doubles after each failed attempt, up to 30 s
         self.state = EngineState.SERVING
         self.state_reason = ""
@@ -134,6 +139,17 @@ class AsyncEngine:
         if was_serving != self.is_serving and self.on_serving_change is not None:
             self.on_serving_change(self.is_serving)
 
+    def set_metrics(self, metrics: EngineMetrics) -> None:
+        self.metrics = metrics
+        self.set_scheduler(self.scheduler)
+
+    def set_scheduler(self, scheduler: Scheduler) -> None:
+        """Serve with ``scheduler`` (a new one after a rebuild), its finishes counted."""
+        self.scheduler = scheduler
+        if self.metrics is not None:
+            scheduler.on_finish = self.metrics.observe_finish
+            self.metrics.rebased(scheduler)
+
     def _check_taking_requests(self) -> None:
         if self.state is EngineState.DEAD:
             raise EngineDeadError(self.state_reason)
@@ -155,6 +171,15 @@ class AsyncEngine:
 
     # -- requests ---------------------------------------------------------------------------
 
+    def sampling_params(self, fields: dict) -> SamplingParams:
+        """A request's sampling: the fields it sets over the model's defaults (its
+        generation_config.json), checked; INVALID_ARGUMENT with what is allowed otherwise."""
+        merged = {**self.default_sampling, **fields}
+        try:
+            return SamplingParams(**merged)
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequestError(str(exc)) from None
+
     async def prepare(
         self,
         prompt: str | Sequence[int],
@@ -170,10 +195,13 @@ class AsyncEngine:
         self._check_taking_requests()
         if isinstance(prompt, str):
             check_prompt_text(prompt, self.max_model_len, self.tokenizer.max_chars_per_token)
-            if len(prompt) > INLINE_TOKENIZE_CHARS:
-                token_ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
-            else:
-                token_ids = self.tokenizer.encode(prompt)
+            try:
+                if len(prompt) > INLINE_TOKENIZE_CHARS:
+                    token_ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
+                else:
+                    token_ids = self.tokenizer.encode(prompt)
+            except ValueError as exc:  # a model without a tokenizer says to send token ids
+                raise InvalidRequestError(str(exc)) from None
         else:
             token_ids = list(prompt)
             check_token_ids(token_ids, self.vocab_size, "Prompt token ids")
@@ -190,7 +218,7 @@ class AsyncEngine:
             request_id=request_id,
             kv=kv,
             sampling=sampling,
-            detokenizer=IncrementalDetokenizer(self.tokenizer),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids),
             arrival_index=next(self._arrivals),
         )
 
@@ -276,6 +304,8 @@ class AsyncEngine:
         touched, failed = self.scheduler.update(sent_step.step, result)
         for request in touched:
             try:
+                if self.metrics is not None:
+                    self.metrics.observe_tokens(request, len(request.pending_token_ids))
                 self._deliver(request)
             except Exception as exc:
                 failed.append((request, exc))
@@ -286,6 +316,8 @@ class AsyncEngine:
         since = max(sent_step.sent_at, self._last_answer_at)
         self.stats.record_step(now - since, result.forward_seconds)
         self._last_answer_at = now
+        if self.metrics is not None:
+            self.metrics.observe_step(self.scheduler)
         if self.stats.wants_waste_sample():
             self.stats.record_waste(*self.scheduler.kv_slot_usage())
 
@@ -296,6 +328,7 @@ class AsyncEngine:
             request.detokenizer.flush()  # a stop already cut the text where it must end
         text = releasable_text(request)
         tokens, request.pending_token_ids = request.pending_token_ids, []
+        logprobs, request.pending_logprobs = request.pending_logprobs, []
         if stream is None or (not tokens and not text and not finished):
             return
         stream.put_nowait(
@@ -307,6 +340,7 @@ class AsyncEngine:
                 prompt_tokens=request.num_prompt_tokens,
                 completion_tokens=request.num_output_tokens,
                 cached_prompt_tokens=request.num_cached_prompt_tokens,
+                logprobs=logprobs or None,
             )
         )
 
@@ -341,7 +375,8 @@ class AsyncEngine:
         for attempt in range(1, self.max_rebuild_attempts + 1):
             started = time.perf_counter()
             try:
-                self.transport, self.scheduler = await self.rebuild()
+                self.transport, scheduler = await self.rebuild()
+                self.set_scheduler(scheduler)
             except Exception:
                 logger.exception("Rebuilding the worker group failed (attempt %d)", attempt)
                 await asyncio.sleep(min(self.rebuild_backoff_s * 2 ** (attempt - 1), 30.0))

@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from cluster.assembly import build_engine, build_scheduler, build_server, connect_health
+from cluster.assembly import build_scheduler, start_serving
 from cluster.config import EngineConfig
 from cluster.scheduler.scheduler import Scheduler
 from cluster.startup import plan_kv_cache
@@ -31,6 +31,7 @@ class LocalServer:
         self._thread = threading.Thread(target=self._serve, name="kvray-local", daemon=True)
         self.engine = None
         self.server = None
+        self.http = None  # the HTTP API, when config.http_port is set
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -55,17 +56,18 @@ class LocalServer:
         return InProcessTransport(self.worker), scheduler
 
     async def _start(self) -> None:
-        self.engine = build_engine(
+        self.serving = await start_serving(
             self.config,
             self.worker.model_config,
             self.kv_config,
             InProcessTransport(self.worker),
             rebuild=self._rebuild,
         )
-        self.server = build_server(self.config, self.engine, self.kv_config)
-        connect_health(self.engine, self.server)
-        self.engine.start()
-        await self.server.start()
+        self.engine, self.server, self.http = (
+            self.serving.engine,
+            self.serving.grpc,
+            self.serving.http,
+        )
 
     def start(self) -> LocalServer:
         self._thread.start()
@@ -81,11 +83,7 @@ class LocalServer:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout=60)
 
     def stop(self) -> None:
-        async def shutdown():
-            await self.server.stop(0.5)
-            await self.engine.stop()
-
-        self.run(shutdown())
+        self.run(self.serving.stop(0.5))
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self.worker.shutdown()

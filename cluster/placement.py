@@ -40,8 +40,35 @@ def worker_bundle(use_gpu: bool, num_cpus: int) -> dict[str, float]:
     return {"GPU": 1, "CPU": num_cpus} if use_gpu else {"CPU": num_cpus}
 
 
+def never_fits(config: EngineConfig, bundle: dict[str, float]) -> str | None:
+    """Why the group can never be placed on this cluster, whatever frees up; None when it
+    could (waiting then makes sense: resources may be in use, or nodes still joining)."""
+    tp = config.tensor_parallel_size
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    for name, amount in bundle.items():
+        total = sum(node.get(name, 0) for node in nodes)
+        if total < amount * tp:
+            return f"{tp} rank(s) need {amount * tp:g} {name} in all; the cluster has {total:g}"
+    fitting = [node for node in nodes if all(node.get(k, 0) >= v for k, v in bundle.items())]
+    if not fitting:
+        return f"no node can hold one rank's bundle {bundle}"
+    if config.placement_strategy == "STRICT_SPREAD" and len(fitting) < tp:
+        return f"STRICT_SPREAD needs {tp} nodes that each hold {bundle}; there are {len(fitting)}"
+    holds_all = any(all(node.get(k, 0) >= v * tp for k, v in bundle.items()) for node in nodes)
+    if config.placement_strategy == "STRICT_PACK" and not holds_all:
+        return f"STRICT_PACK needs one node with {tp} x {bundle}; none has that much"
+    return None
+
+
 async def reserve(config: EngineConfig, bundle: dict[str, float]) -> PlacementGroup:
     tp = config.tensor_parallel_size
+    reason = never_fits(config, bundle)
+    if reason is not None:
+        raise PlacementError(
+            f"Cannot place {tp} TP rank(s) of {bundle} each with strategy "
+            f"{config.placement_strategy}: {reason}. Lower --tensor-parallel-size or "
+            "--cpus-per-worker, or add nodes (see `ray status`)."
+        )
     group = placement_group([dict(bundle)] * tp, strategy=config.placement_strategy)
     try:
         await asyncio.wait_for(group.ready(), timeout=config.placement_timeout_s)

@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster.api.v1 import kvray_pb2 as pb
 from cluster.api.v1 import kvray_pb2_grpc as pb_grpc
+from cluster.chat import chat_prompt
 from cluster.engine import AsyncEngine, RequestOutput
 from cluster.errors import (
     EngineInternalError,
@@ -23,11 +24,14 @@ from cluster.errors import (
     OverloadedError,
 )
 from cluster.server_info import server_info
-from workers.sampling import SamplingParams
+from workers.sampling import SAMPLING_FIELDS
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = "kvray.v1.Engine"
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+# The proto's `optional` scalars, whose presence says whether the request set them.
+OPTIONAL_FIELDS = frozenset(
+    field.name for field in pb.SamplingParams.DESCRIPTOR.fields if field.has_presence
+) - {"stop", "stop_token_ids"}
 MAX_REQUEST_BYTES = 4 << 20  # a longer prompt would not fit any context kvray serves as text
 # The engine's errors as gRPC status codes (subclasses first).
 STATUS_CODES: list[tuple[type[Exception], grpc.StatusCode]] = [
@@ -38,18 +42,20 @@ STATUS_CODES: list[tuple[type[Exception], grpc.StatusCode]] = [
 ]
 
 
-def sampling_from_proto(request: pb.GenerateRequest) -> SamplingParams:
+def sampling_from_proto(request: pb.GenerateRequest) -> dict:
+    """The sampling fields the request sets (the engine fills in the rest)."""
     message = request.sampling
-    fields = {name: getattr(message, name) for name in SAMPLING_FIELDS if message.HasField(name)}
-    try:
-        return SamplingParams(
-            **fields,
-            stop=tuple(message.stop),
-            stop_token_ids=tuple(message.stop_token_ids),
-            ignore_eos=message.ignore_eos,
-        )
-    except ValueError as exc:
-        raise InvalidRequestError(str(exc)) from None
+    fields = {
+        name: getattr(message, name)
+        for name in SAMPLING_FIELDS
+        if name in OPTIONAL_FIELDS and message.HasField(name)
+    }
+    for name in ("stop", "stop_token_ids"):
+        if getattr(message, name):
+            fields[name] = tuple(getattr(message, name))
+    if message.ignore_eos:
+        fields["ignore_eos"] = True
+    return fields
 
 
 def response_from_output(output: RequestOutput) -> pb.GenerateResponse:
@@ -59,6 +65,12 @@ def response_from_output(output: RequestOutput) -> pb.GenerateResponse:
         text=output.text,
         finish_reason=output.finish_reason or "",
     )
+    for entry in output.logprobs or ():
+        response.logprobs.add(
+            logprob=entry.logprob,
+            top_token_ids=[token for token, _ in entry.top],
+            top_logprobs=[value for _, value in entry.top],
+        )
     if output.finish_reason is not None:
         response.usage.CopyFrom(
             pb.Usage(
@@ -96,13 +108,20 @@ class EngineServicer(pb_grpc.EngineServicer):
     async def Generate(self, request, context):
         try:
             _refuse_unreadable(request)
-            if request.WhichOneof("prompt") is None:
-                raise InvalidRequestError("Give a prompt: text or token_ids.")
+            kind = request.WhichOneof("prompt")
+            if kind is None:
+                raise InvalidRequestError("Give a prompt: text, token_ids or conversation.")
             _refuse_unknown_fields(request)
-            prompt = request.text if request.HasField("text") else list(request.token_ids.ids)
+            if kind == "conversation":
+                messages = [
+                    {"role": m.role, "content": m.content} for m in request.conversation.messages
+                ]
+                prompt = await chat_prompt(self.engine.tokenizer, messages)
+            else:
+                prompt = request.text if kind == "text" else list(request.token_ids.ids)
             engine_request = await self.engine.prepare(
                 prompt,
-                sampling_from_proto(request),
+                self.engine.sampling_params(sampling_from_proto(request)),
                 request.request_id or None,
                 cache_salt=request.cache_salt or None,
             )
@@ -161,7 +180,8 @@ def _refuse_unknown_fields(message) -> None:
         if len(unknown_fields.UnknownFieldSet(part)):
             raise InvalidRequestError(
                 "The request has fields this server does not know (a newer client?); "
-                "known GenerateRequest fields: request_id, text, token_ids, sampling."
+                "known GenerateRequest fields: request_id, text, token_ids, conversation, "
+                "sampling, cache_salt."
             )
 
 

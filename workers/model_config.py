@@ -1,4 +1,5 @@
-"""The model geometry kvray needs, read from a Hugging Face ``config.json``."""
+"""The model geometry kvray needs, read from a Hugging Face ``config.json`` (and the defaults
+of ``generation_config.json`` beside it)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,28 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
 
 
 class UnsupportedModelError(ValueError):
     """The checkpoint is of an architecture or configuration kvray does not serve."""
+
+
+class RopeScaling(msgspec.Struct, frozen=True, kw_only=True):
+    """How RoPE frequencies are stretched past the pretraining context (``rope_scaling`` or
+    ``rope_parameters`` in config.json); ``workers/layers/rotary.py`` does the math."""
+
+    rope_type: str  # "llama3" (Llama 3.1/3.2) or "yarn"
+    factor: float
+    original_max_position_embeddings: int
+    low_freq_factor: float = 1.0  # llama3: wavelengths past original / low are divided by factor
+    high_freq_factor: float = 4.0  # llama3: wavelengths below original / high are kept
+    beta_fast: float = 32.0  # yarn: rotations bounding the interpolation ramp
+    beta_slow: float = 1.0
+    mscale: float | None = None  # yarn: with mscale_all_dim, sets the attention factor
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None  # yarn: cos/sin scale; None derives it from factor
+    truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -34,6 +53,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
+    rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_proj_bias: bool = False
@@ -45,6 +65,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     dtype: str = "float32"
+    # generation_config.json's sampling defaults under SamplingParams' names (temperature, top_p,
+    # top_k, max_tokens), for the fields a request leaves unset.
+    default_sampling: dict[str, float | int] = {}
 
     def is_sliding(self, layer_index: int) -> bool:
         return self.layer_types[layer_index] == "sliding_attention"
@@ -54,10 +77,13 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"No config.json in model directory {model_dir}")
-    return parse_hf_config(json.loads(path.read_text()))
+    generation_path = Path(model_dir) / "generation_config.json"
+    generation = json.loads(generation_path.read_text()) if generation_path.is_file() else None
+    return parse_hf_config(json.loads(path.read_text()), generation)
 
 
-def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
+def parse_hf_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+    """``raw`` is config.json; ``generation`` generation_config.json, when there is one."""
     architectures = raw.get("architectures") or []
     architecture = architectures[0] if architectures else "<none>"
     if architecture not in SUPPORTED_ARCHITECTURES:
@@ -69,8 +95,10 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     heads = raw["num_attention_heads"]
     num_layers = raw["num_hidden_layers"]
     layer_types, window = _layer_types(raw, architecture, num_layers)
-    eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    generation = generation or {}
+    eos_ids = _ids(raw.get("eos_token_id"))
+    eos_ids += tuple(i for i in _ids(generation.get("eos_token_id")) if i not in eos_ids)
+    rope_theta, rope_scaling = _rope(raw)
     return ModelConfig(
         architecture=architecture,
         vocab_size=raw["vocab_size"],
@@ -81,8 +109,9 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         num_key_value_heads=raw.get("num_key_value_heads") or heads,
         head_dim=raw.get("head_dim") or hidden // heads,
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        rope_theta=_rope_theta(raw),
+        rope_theta=rope_theta,
         max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        rope_scaling=rope_scaling,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         **_biases(raw, architecture),
         qk_norm=architecture == "Qwen3ForCausalLM",
@@ -91,17 +120,61 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         eos_token_ids=eos_ids,
         bos_token_id=raw.get("bos_token_id"),
         dtype=DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype")), "float32"),
+        default_sampling=_default_sampling(generation),
     )
 
 
-def _rope_theta(raw: dict[str, Any]) -> float:
+def _ids(value: int | list[int] | None) -> tuple[int, ...]:
+    return tuple(value) if isinstance(value, list) else (() if value is None else (value,))
+
+
+def _default_sampling(generation: dict[str, Any]) -> dict[str, float | int]:
+    """generation_config.json's sampling values, named as SamplingParams names them.
+    ``do_sample: false`` means greedy: transformers then ignores temperature, top_p, top_k."""
+    is_greedy = generation.get("do_sample") is False
+    fields = {"max_new_tokens": ("max_tokens", int)}
+    if not is_greedy:
+        fields |= {"temperature": ("temperature", float), "top_p": ("top_p", float)}
+        fields |= {"top_k": ("top_k", int)}
+    defaults = {
+        ours: cast(generation[name])
+        for name, (ours, cast) in fields.items()
+        if generation.get(name) is not None
+    }
+    return (defaults | {"temperature": 0.0}) if is_greedy else defaults
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """The RoPE base and, for a scaled RoPE, its parameters (refused by name when unknown)."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta") or raw.get("rope_theta") or 10000.0)
     rope_type = params.get("rope_type") or params.get("type") or "default"
-    if rope_type != "default":
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
-            f"Unsupported RoPE type {rope_type!r}. Supported RoPE types: default"
+            f"Unsupported RoPE type {rope_type!r}. Supported RoPE types: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    return float(params.get("rope_theta") or raw.get("rope_theta") or 10000.0)
+    # transformers lets a top-level original_max_position_embeddings win (Phi-3 writes it there).
+    max_len = raw.get("max_position_embeddings", 2048)
+    original = raw.get("original_max_position_embeddings") or params.get(
+        "original_max_position_embeddings", max_len
+    )
+    required = ("factor", "low_freq_factor", "high_freq_factor") if rope_type == "llama3" else ()
+    missing = [key for key in required if params.get(key) is None]
+    if missing:
+        raise UnsupportedModelError(f"RoPE type {rope_type!r} needs {', '.join(missing)}")
+    factor = params.get("factor") or max_len / original  # yarn may leave it to the lengths
+    optional = ("low_freq_factor", "high_freq_factor", "mscale", "mscale_all_dim")
+    optional += ("attention_factor", "truncate")
+    known = {key: params[key] for key in optional if params.get(key) is not None}
+    # transformers reads ``beta_fast or 32``: a zero means the default too.
+    known |= {key: params[key] for key in ("beta_fast", "beta_slow") if params.get(key)}
+    scaling = RopeScaling(
+        rope_type=rope_type, factor=factor, original_max_position_embeddings=original, **known
+    )
+    return theta, scaling
 
 
 def _layer_types(raw: dict[str, Any], architecture: str, num_layers: int):

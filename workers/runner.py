@@ -20,13 +20,15 @@ from kvcore._math import cdiv
 from workers.block_table import BlockTable
 from workers.forward_context import ForwardContext, set_forward_context
 from workers.parallel import broadcast_from_first, get_tp_group
-from workers.sampling import Sampler, SamplingParams
+from workers.sampler import Sampler, SamplingRow, TokenLogprobs
+from workers.sampling import SamplingParams
 from workers.step_plan import NewRequest, RequestDelta, StepPlan, StepResult
 
 
 @dataclass
 class RunnerRequest:
-    token_ids: list[int]
+    token_ids: list[int]  # the prompt, then every output so far
+    num_prompt_tokens: int
     sampling: SamplingParams
 
 
@@ -52,7 +54,7 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(device)
         self.requests: dict[str, RunnerRequest] = {}
-        self.sampler = Sampler(self.device)
+        self.sampler = Sampler(self.device, model.config.eos_token_ids)
         # One table per KV-cache group, rows updated by each step's deltas.
         self.block_tables = [
             BlockTable(cdiv(config.max_model_len, group.kv_cache_spec.block_size))
@@ -71,8 +73,8 @@ class ModelRunner:
         if not batch.request_ids:
             return StepResult()
         hidden, forward_seconds = self._forward(batch)
-        sampled = self._sample(batch, hidden)
-        return StepResult(sampled=sampled, forward_seconds=forward_seconds)
+        sampled, logprobs = self._sample(batch, hidden)
+        return StepResult(sampled=sampled, logprobs=logprobs, forward_seconds=forward_seconds)
 
     def _update_state(self, plan: StepPlan) -> None:
         for request_id in [*plan.preempted_ids, *plan.finished_ids]:
@@ -82,8 +84,11 @@ class ModelRunner:
         for request_id in plan.finished_ids:
             self.sampler.remove_request(request_id)
         for new in plan.new_requests:
+            num_prompt = new.num_prompt_tokens
+            if num_prompt is None:
+                num_prompt = len(new.token_ids)
             self.requests[new.request_id] = RunnerRequest(
-                token_ids=list(new.token_ids), sampling=new.sampling
+                token_ids=list(new.token_ids), num_prompt_tokens=num_prompt, sampling=new.sampling
             )
             for table, ids in zip(self.block_tables, new.block_ids, strict=True):
                 table.add(new.request_id, ids)
@@ -142,7 +147,11 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)  # kernels run asynchronously: time them
             return hidden, time.perf_counter() - started
 
-    def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor) -> dict[str, int]:
+    def _sample(
+        self, batch: ScheduledBatch, hidden: torch.Tensor
+    ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
+        """Tokens for the requests whose known tokens are all computed (rank 0 draws, every
+        rank takes its tokens), and the log-probabilities asked for (rank 0's)."""
         rows, last_indices = [], []
         end = 0
         for request_id, query_len, seq_len in zip(
@@ -153,15 +162,23 @@ class ModelRunner:
                 rows.append(request_id)
                 last_indices.append(end - 1)
         if not rows:
-            return {}
+            return {}, {}
         with torch.inference_mode():
             logits = self.model.compute_logits(hidden[last_indices])  # [R, vocab]
+        logprobs = {}
         if get_tp_group().is_first_rank:
-            params = [self.requests[r].sampling for r in rows]
-            tokens = self.sampler.sample(logits, rows, params)  # [R] int64 on self.device
+            sampled = self.sampler.sample_rows(logits, [self._sampling_row(r) for r in rows])
+            tokens, logprobs = sampled.tokens, sampled.logprobs  # [R] int64 on self.device
         else:
             tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
         tokens = broadcast_from_first(tokens).tolist()
         for request_id, token in zip(rows, tokens, strict=True):
             self.requests[request_id].token_ids.append(token)
-        return dict(zip(rows, tokens, strict=True))
+        return dict(zip(rows, tokens, strict=True)), logprobs
+
+    def _sampling_row(self, request_id: str) -> SamplingRow:
+        state = self.requests[request_id]
+        split = state.num_prompt_tokens
+        return SamplingRow(
+            request_id, state.sampling, state.token_ids[:split], state.token_ids[split:]
+        )

@@ -1,11 +1,6 @@
-"""Sampling parameters, checked once where a request enters, and the sampler rank 0 runs.
-
-Greedy when ``temperature == 0``; otherwise temperature, then top-k, then top-p, then a draw.
-All rows of a step are sampled together on the logits' device; no row can make the step fail,
-whatever its logits hold (a draw is an argmax, never ``torch.multinomial``, which raises on
-NaN). A request with a ``seed`` draws from its own generator, made on the same device and kept
-until the request ends for good: a preempted request continues its sequence, so it gives the
-tokens it would have given had it never been preempted.
+"""Sampling parameters: the one definition of every sampling field, its default and its
+limits, checked once where a request enters (front ends only name fields; the engine fills in
+the model's defaults, then builds these). The sampler that applies them is ``workers.sampler``.
 """
 
 from __future__ import annotations
@@ -13,7 +8,6 @@ from __future__ import annotations
 import math
 
 import msgspec
-import torch
 
 DEFAULT_MAX_TOKENS = 16  # when a request does not say (clipped to what fits the model)
 # Positive temperatures below this are raised to it, as vLLM does: logits divided by less can
@@ -22,7 +16,8 @@ MIN_TEMPERATURE = 1e-2
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 1024  # all stop strings together
 MAX_STOP_TOKEN_IDS = 256
-_SEED_MASK = (1 << 64) - 1  # torch seeds are unsigned 64-bit; any int64 maps onto one
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI's do
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -34,6 +29,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop tokens are held back until this many are out
+    presence_penalty: float = 0.0  # minus this once for every token already generated
+    frequency_penalty: float = 0.0  # minus this times how often a token was generated
+    repetition_penalty: float = 1.0  # prompt and output tokens: logit / p if > 0, else * p
+    # Log-probabilities of each generated token and this many alternatives (None: none).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         problem = _first_problem(self)
@@ -43,6 +44,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
+
+
+# Every field a front end may set: what gRPC, HTTP, the clients and batch files name.
+SAMPLING_FIELDS: tuple[str, ...] = SamplingParams.__struct_fields__
 
 
 def _first_problem(p: SamplingParams) -> str | None:
@@ -66,74 +77,16 @@ def _first_problem(p: SamplingParams) -> str | None:
         return f"stop strings may hold at most {MAX_STOP_CHARS} characters together"
     if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         return f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed"
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(p, name)
+        if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
+            return f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}"
+    if not (math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0):
+        return f"repetition_penalty must be a finite positive number, got {p.repetition_penalty}"
+    if p.min_tokens < 0:
+        return f"min_tokens must be >= 0, got {p.min_tokens}"
+    if p.max_tokens is not None and p.min_tokens > p.max_tokens:
+        return f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})"
+    if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
+        return f"logprobs must be between 0 and {MAX_LOGPROBS}, got {p.logprobs}"
     return None
-
-
-class Sampler:
-    """Samples one token per row on ``device``; holds the seeded requests' generators."""
-
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        self.device = torch.device(device)
-        self._generators: dict[str, torch.Generator] = {}
-        self._shared = torch.Generator(device=self.device)
-        self._shared.seed()
-
-    def add_request(self, request_id: str, params: SamplingParams) -> None:
-        """Start a seeded request's generator; a resumed (preempted) request keeps its own."""
-        if params.seed is not None and request_id not in self._generators:
-            generator = torch.Generator(device=self.device)
-            self._generators[request_id] = generator.manual_seed(params.seed & _SEED_MASK)
-
-    def remove_request(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
-
-    @property
-    def num_generators(self) -> int:
-        return len(self._generators)
-
-    def sample(
-        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
-    ) -> torch.Tensor:
-        """One token id per row of ``logits`` ``[R, vocab]``, as an int64 tensor on its
-        device."""
-        greedy = logits.argmax(dim=-1)  # [R]
-        is_greedy = [p.is_greedy for p in params]
-        if all(is_greedy):
-            return greedy
-        device = logits.device
-        # Greedy rows divide by 1: their draw is discarded, but must stay finite.
-        temperatures = [1.0 if p.is_greedy else max(p.temperature, MIN_TEMPERATURE) for p in params]
-        temperature = torch.tensor(temperatures, dtype=torch.float32, device=device)
-        logits = logits.float() / temperature[:, None]
-        vocab_size = logits.shape[-1]
-        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-        top_p = [p.top_p for p in params]
-        if min(top_k) < vocab_size or min(top_p) < 1.0:
-            sampled = self._draw_filtered(logits, top_k, top_p, request_ids, params)
-        else:
-            sampled = self._draw(torch.softmax(logits, dim=-1), request_ids, params)
-        return torch.where(torch.tensor(is_greedy, device=device), greedy, sampled)
-
-    def _draw_filtered(self, logits, top_k, top_p, request_ids, params) -> torch.Tensor:
-        """Top-k, then top-p, on logits sorted once; the draw happens in sorted order."""
-        device = logits.device
-        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, V]
-        rank = torch.arange(logits.shape[-1], device=device)[None, :]  # [1, V]
-        k = torch.tensor(top_k, dtype=torch.int64, device=device)[:, None]  # [R, 1]
-        sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the tokens ranked above it already reach top_p (the top one stays).
-        p = torch.tensor(top_p, dtype=torch.float32, device=device)[:, None]
-        probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= p, 0.0)
-        picked = self._draw(probs, request_ids, params)  # [R] positions in sorted order
-        return order.gather(1, picked[:, None]).squeeze(1)
-
-    def _draw(self, probs: torch.Tensor, request_ids, params) -> torch.Tensor:
-        """A draw per row by the exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)``
-        picks index i with probability ``probs[i] / sum(probs)``, unnormalised rows included."""
-        noise = torch.empty_like(probs).exponential_(generator=self._shared)
-        for row, (request_id, p) in enumerate(zip(request_ids, params, strict=True)):
-            if p.seed is not None and not p.is_greedy:
-                noise[row].exponential_(generator=self._generators[request_id])
-        # A draw of exactly 0 would make a filtered-out token 0 / 0 = NaN, which argmax picks.
-        return (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)

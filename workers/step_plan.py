@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
+from workers.sampler import TokenLogprobs
 from workers.sampling import SamplingParams
 
 
@@ -25,6 +26,8 @@ class NewRequest(msgspec.Struct, frozen=True, kw_only=True):
     num_computed_tokens: int
     # Tokens to compute in this step (a chunk of the prompt, or all of it).
     num_new_tokens: int
+    # How many of token_ids are the prompt (None: all); penalties and min_tokens need it.
+    num_prompt_tokens: int | None = None
 
 
 class RequestDelta(msgspec.Struct, frozen=True, kw_only=True):
@@ -55,5 +58,7 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True):
     # Request id -> the token sampled this step, for requests that reached their last known
     # token (a request in the middle of a chunked prefill samples nothing).
     sampled: dict[str, int] = {}
+    # For the sampled requests that asked: their token's log-probability and alternatives.
+    logprobs: dict[str, TokenLogprobs] = {}
     # Seconds this rank spent in the model forward (the rest of a step is overhead).
     forward_seconds: float = 0.0

@@ -16,8 +16,15 @@ import torch
 
 from kernels.backends import get_attention_backend
 from kvcore import KVCacheConfig, RankReport, decode, encode
-from workers.default_model import is_embedded, load_default_weights, model_config_for
+from workers import defaults
+from workers.default_model import (
+    gguf_path_for,
+    is_embedded,
+    load_default_weights,
+    model_config_for,
+)
 from workers.device import distributed_backend, select_device
+from workers.gguf import load_gguf_weights
 from workers.kv_cache import allocate_kv_cache
 from workers.kv_specs import rank_kv_cache_specs
 from workers.layers.cpu_matmul import pack_linear_weights
@@ -38,16 +45,16 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 class WorkerOptions:
     model: str | None = None  # a Hugging Face directory, or "embedded:NAME"; None = default
     tensor_parallel_size: int = 1
-    block_size: int = 16
+    block_size: int = defaults.BLOCK_SIZE
     attention_backend: str = "torch"
     dtype: str | None = None  # None: the checkpoint's dtype
     kv_cache_memory_bytes: int | None = None  # the CPU budget (ignored on CUDA)
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = defaults.GPU_MEMORY_UTILIZATION
     # "cuda" when the placement reserved a GPU (then a missing GPU is an error), "cpu", or
     # None: GPU 0 when torch sees one, else the CPU.
     device: str | None = None
-    max_num_batched_tokens: int = 2048  # the largest step, for the memory profile
-    max_num_seqs: int = 256  # the most sampled rows in a step, for the memory profile
+    max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS  # the largest step (profile)
+    max_num_seqs: int = defaults.MAX_NUM_SEQS  # the most sampled rows in a step (profile)
     num_threads: int | None = None  # torch threads (a Ray actor's CPUs); None: torch's default
 
 
@@ -89,7 +96,10 @@ class Worker:
         dtype = TORCH_DTYPES[self.options.dtype or self.model_config.dtype]
         with torch.device(self.device):
             model = model_class_for(self.model_config)(self.model_config, dtype)
-        if is_embedded(self.options.model):
+        gguf = gguf_path_for(self.options.model)
+        if gguf is not None:
+            load_gguf_weights(model, gguf, show_progress=self.rank == 0)
+        elif is_embedded(self.options.model):
             load_default_weights(model)
         else:
             load_weights(model, Path(self.options.model), show_progress=self.rank == 0)

@@ -10,7 +10,12 @@ import time
 import torch
 
 from cluster.bench.workload import BenchRequest
-from workers.default_model import default_checkpoint, is_embedded, model_config_for
+from workers.default_model import (
+    default_checkpoint,
+    gguf_path_for,
+    is_embedded,
+    model_config_for,
+)
 
 
 def load_hf_model(model: str | None, device: torch.device, dtype: torch.dtype):
@@ -20,6 +25,12 @@ def load_hf_model(model: str | None, device: torch.device, dtype: torch.dtype):
         raise ValueError(
             "--compare transformers needs the transformers package (pip install 'kvray[test]')"
         ) from None
+    gguf = gguf_path_for(model)
+    if gguf is not None:  # transformers dequantizes the same file
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=dtype
+        )
+        return loaded.to(device).eval()
     if not is_embedded(model):
         loaded = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
         return loaded.to(device).eval()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from cluster.scheduler.detokenizer import IncrementalDetokenizer
 from kvcore.kv_request import KVRequest
+from workers.sampler import TokenLogprobs
 from workers.sampling import SamplingParams
 
 
@@ -38,6 +40,9 @@ class EngineRequest:
     num_inflight_samples: int = 0
     # Output pending delivery to the client since the last step.
     pending_token_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when asked for
+    arrival_time: float = field(default_factory=time.monotonic)  # for latency metrics
+    last_token_time: float | None = None  # when its latest token arrived (None: none yet)
     emitted_text_len: int = 0  # characters already sent, for stop-string hold-back
 
     @property

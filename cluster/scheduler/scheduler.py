@@ -46,6 +46,7 @@ class Scheduler:
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self.requests: dict[str, EngineRequest] = {}
+        self.on_finish = None  # called with each request that finishes, for whatever reason
         self._finished_ids: list[str] = []  # tell the workers to forget these
         self._preempted_ids: list[str] = []  # ... and these, but keep their sampling state
         self.num_preemptions = 0
@@ -79,6 +80,8 @@ class Scheduler:
             self._finished_ids.append(request.request_id)
             request.is_on_workers = request.was_sent = False
         del self.requests[request.request_id]
+        if self.on_finish is not None:
+            self.on_finish(request)
 
     @property
     def has_work(self) -> bool:
@@ -176,6 +179,7 @@ class Scheduler:
                     NewRequest(
                         request_id=request.request_id,
                         token_ids=list(kv.token_ids),
+                        num_prompt_tokens=kv.num_prompt_tokens,
                         sampling=request.sampling,
                         block_ids=self.coordinator.get_block_ids(kv),
                         num_computed_tokens=kv.num_computed_tokens,
@@ -207,6 +211,9 @@ class Scheduler:
             try:
                 if self._apply(request, result.sampled.get(request.request_id)):
                     touched.append(request)
+                    logprobs = result.logprobs.get(request.request_id)
+                    if logprobs is not None:
+                        request.pending_logprobs.append(logprobs)
             except Exception as exc:
                 failed.append((request, exc))
         return touched, failed

@@ -17,7 +17,9 @@ def check_stop(
     params = request.sampling
     if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
         return "stop"
-    if params.stop and _cut_at_stop_string(request):
+    # Below min_tokens the sampler holds stop tokens back, and stop strings are not looked for.
+    is_past_min = request.num_output_tokens >= params.min_tokens
+    if params.stop and is_past_min and _cut_at_stop_string(request):
         return "stop"
     if request.num_output_tokens >= params.max_tokens or request.kv.num_tokens >= max_model_len:
         return "length"

@@ -187,3 +187,10 @@ def test_serve_generate_then_drain_on_sigterm():
             server.kill()
     assert server.returncode == 0, "".join(seen)
     assert any("draining" in line for line in seen)
+
+
+def test_errors_are_one_line_without_a_traceback():
+    result = run("generate", "--model", "/nonexistent", "--prompt", "hi", timeout=120)
+    assert result.returncode == 2
+    assert "kvray generate: error: No config.json in model directory /nonexistent" in result.stderr
+    assert "Traceback" not in result.stderr

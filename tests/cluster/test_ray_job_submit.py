@@ -11,6 +11,7 @@ import socket
 import subprocess
 import tempfile
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -61,16 +62,24 @@ def ray_head(env: dict, num_cpus: int = 2):
 def test_ray_job_submit_runs_kvray(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_AUTH_MODE": "token"}
     with ray_head(env) as dashboard:
-        result = subprocess.run(
-            ["ray", "job", "submit", "--address", f"http://127.0.0.1:{dashboard}",
-             "--working-dir", str(ROOT), "--",
-             "kvray", "generate", "--prompt", "Hello from a Ray job", "--max-tokens", "6",
-             "--temperature", "0", "--output", "json", "-tp", "2", "--kv-cache-memory", "16MiB",
-             "--max-model-len", "256", "--log-level", "WARNING"],
-            capture_output=True, text=True, timeout=300, env=env,
-        )  # fmt: skip
+        for _ in range(3):  # the job agent can lag `ray start` by a moment: it says so
+            result = submit(dashboard, env)
+            if "No available agent to submit job" not in result.stderr:
+                break
+            time.sleep(5)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     line = next(x for x in result.stdout.splitlines() if x.startswith('{"request_id"'))
     completion = json.loads(line)
     assert len(completion["token_ids"]) == 6
     assert "succeeded" in result.stdout
+
+
+def submit(dashboard: int, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["ray", "job", "submit", "--address", f"http://127.0.0.1:{dashboard}",
+         "--working-dir", str(ROOT), "--",
+         "kvray", "generate", "--prompt", "Hello from a Ray job", "--max-tokens", "6",
+         "--temperature", "0", "--output", "json", "-tp", "2", "--kv-cache-memory", "16MiB",
+         "--max-model-len", "256", "--log-level", "WARNING"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip

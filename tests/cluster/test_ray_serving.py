@@ -11,6 +11,7 @@ import ray
 
 from cluster.client import Client, UnavailableError
 from cluster.config import EngineConfig
+from cluster.controller import start_controller
 from cluster.local import LocalServer
 from cluster.placement import cpus_per_worker
 from tests.cluster.ray_helpers import BASE, greedy_tokens, serve, stop
@@ -96,12 +97,29 @@ def test_by_default_cpu_ranks_share_the_node(local_ray):
     assert cpus_per_worker(EngineConfig(cpus_per_worker=3), use_gpu=False) == 3
 
 
-def test_placement_that_cannot_fit_says_what_was_asked(local_ray):
-    from cluster.config import EngineConfig
-    from cluster.controller import start_controller
-
+def test_placement_that_can_never_fit_fails_at_once(local_ray):
+    started = time.monotonic()
     with pytest.raises(ray.exceptions.RayTaskError) as info:
-        start_controller(EngineConfig(**BASE, tensor_parallel_size=8, placement_timeout_s=3))
+        start_controller(EngineConfig(**BASE, tensor_parallel_size=8))
+    assert time.monotonic() - started < 30  # not the placement timeout
+    assert "Cannot place 8 TP rank(s) of {'CPU': 1}" in str(info.value)
+    assert "8 CPU in all; the cluster has 4" in str(info.value)
+
+
+@ray.remote(num_cpus=3)
+class Busy:
+    def ready(self) -> bool:
+        return True
+
+
+def test_placement_that_cannot_fit_now_waits_then_says_what_was_asked(local_ray):
+    busy = Busy.remote()
+    ray.get(busy.ready.remote())
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            start_controller(EngineConfig(**BASE, tensor_parallel_size=2, placement_timeout_s=3))
+    finally:
+        ray.kill(busy)
     message = str(info.value)
-    assert "Could not place 8 TP rank(s) of {'CPU': 1}" in message
+    assert "Could not place 2 TP rank(s) of {'CPU': 1}" in message
     assert "The cluster has" in message and "'CPU': 4.0" in message

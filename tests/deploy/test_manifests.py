@@ -144,9 +144,15 @@ def test_ray_version_images_auth_and_gpus(name, document):
     assert {"gcs-server", "dashboard", "client"} <= set(head_ports)
 
 
-def test_the_service_exposes_grpc_and_not_the_dashboard():
+def test_the_service_exposes_the_apis_and_not_the_dashboard():
     (service,) = [d for _, d in DOCUMENTS if d["kind"] == "Service"]
-    assert [(p["name"], p["port"]) for p in service["spec"]["ports"]] == [("grpc", 50051)]
+    ports = [(p["name"], p["port"]) for p in service["spec"]["ports"]]
+    assert ports == [("grpc", 50051), ("http", 8000)]
+    (cluster,) = [d for _, d in DOCUMENTS if d["kind"] == "RayCluster"]
+    head = cluster["spec"]["headGroupSpec"]["template"]
+    assert head["metadata"]["annotations"]["prometheus.io/port"] == "8000"  # /metrics scraped
+    serve_line = next(c for c in kvray_commands() if " serve " in f" {c} ")
+    assert "--http-port 8000" in serve_line
     assert service["spec"]["selector"]["ray.io/node-type"] == "head"
 
 

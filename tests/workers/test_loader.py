@@ -79,7 +79,7 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
 def test_unsupported_rope_scaling_is_refused(tmp_path):
     model_dir = save_model("llama", tmp_path)
     raw = json.loads((model_dir / "config.json").read_text())
-    raw["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    raw["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}
     (model_dir / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(UnsupportedModelError, match="Unsupported RoPE type 'yarn'"):
+    with pytest.raises(UnsupportedModelError, match="Unsupported RoPE type 'longrope'"):
         load_model_config(model_dir)

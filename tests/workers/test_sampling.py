@@ -9,7 +9,8 @@ from kvcore import decode, encode
 from tests.workers.engine import plan_for
 from tests.workers.harness import StepDriver
 from workers.default_model import DEFAULT_CONFIG
-from workers.sampling import Sampler, SamplingParams
+from workers.sampler import Sampler
+from workers.sampling import SamplingParams
 from workers.step_plan import StepResult
 from workers.worker import Worker, WorkerOptions
 
@@ -87,3 +88,56 @@ def test_top_k_restricts_the_draw():
 def test_bad_sampling_values_are_refused(fields, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**fields)
+
+
+def test_penalties_follow_their_formulas_row_by_row():
+    """Repetition as transformers applies it (prompt and output tokens), presence and
+    frequency as OpenAI defines them (output tokens, by count); rows without them untouched."""
+    from workers.sampler import SamplingRow, _apply_penalties
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0], [2.0, -1.0, 0.5, 3.0]])
+    penalised = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    rows = [
+        SamplingRow("a", penalised, prompt_ids=[0], output_ids=[1, 3, 3]),
+        SamplingRow("b", SamplingParams(), prompt_ids=[0], output_ids=[3]),
+    ]
+    out = _apply_penalties(logits, rows)
+    # token 0: prompt only -> 2.0 / 2; token 1: output once -> -1 * 2 - 0.5 - 0.25;
+    # token 2: unseen; token 3: output twice -> 3 / 2 - 2 * 0.5 - 0.25.
+    assert out[0].tolist() == pytest.approx([1.0, -2.75, 0.5, 0.25])
+    assert out[1].tolist() == logits[1].tolist()
+
+
+def test_min_tokens_holds_back_eos_and_stop_tokens():
+    from workers.sampler import Sampler, SamplingRow
+
+    sampler = Sampler(eos_token_ids=(3,))
+    logits = torch.tensor([[0.0, 1.0, 5.0, 9.0]])  # EOS (3) is the greedy choice, then 2
+    early = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(2,))
+    held = sampler.sample_rows(logits, [SamplingRow("r", early, [5], [1])]).tokens
+    assert held.tolist() == [1]  # EOS and the stop token are out until two tokens are out
+    later = sampler.sample_rows(logits, [SamplingRow("r", early, [5], [1, 1])]).tokens
+    assert later.tolist() == [3]
+
+
+def test_logprobs_are_the_models_own_and_list_the_top_alternatives():
+    from workers.sampler import Sampler, SamplingRow
+
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(5))
+    params = [
+        SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=1.5),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=2.0, logprobs=0, seed=1),
+    ]
+    rows = [SamplingRow(f"r{i}", p, [], [4]) for i, p in enumerate(params)]
+    sampler = Sampler()
+    sampler.add_request("r2", params[2])
+    sampled = sampler.sample_rows(logits, rows)
+    expected = torch.log_softmax(logits, dim=-1)
+    assert set(sampled.logprobs) == {"r0", "r2"}
+    for name, row in (("r0", 0), ("r2", 2)):
+        token = int(sampled.tokens[row])
+        assert sampled.logprobs[name].logprob == pytest.approx(float(expected[row, token]))
+    top = sampled.logprobs["r0"].top
+    assert [t for t, _ in top] == expected[0].topk(3).indices.tolist()
+    assert sampled.logprobs["r2"].top == []

@@ -20,7 +20,8 @@ import torch
 from kvcore import decode, encode
 from tests.workers.engine import plan_for
 from tests.workers.harness import StepDriver
-from workers.sampling import Sampler, SamplingParams
+from workers.sampler import Sampler
+from workers.sampling import SamplingParams
 from workers.step_plan import StepResult
 from workers.worker import Worker, WorkerOptions
 

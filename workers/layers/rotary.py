@@ -1,23 +1,27 @@
-"""Rotary position embedding (the half-split form used by Llama-family checkpoints).
+"""Rotary position embedding (the half-split form used by Llama-family checkpoints), with the
+``llama3`` and ``yarn`` frequency scalings for contexts past the pretraining length.
 
 One instance serves every layer of a model: the cos and sin of a step's positions are
 computed by the first layer and reused by the others (the runner hands all layers the same
 ``positions`` tensor), instead of evaluating two transcendental functions per layer.
+The scalings follow transformers' ``ROPE_INIT_FUNCTIONS``, formula for formula.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default",)
+from workers.model_config import RopeScaling
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_size: int, theta: float):
+    def __init__(self, head_size: int, theta: float, scaling: RopeScaling | None = None):
         super().__init__()
-        exponents = torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size
-        self.register_buffer("inv_freq", 1.0 / (theta**exponents), persistent=False)
+        inv_freq, self.attention_factor = rope_frequencies(head_size, theta, scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._step: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None
 
     def forward(
@@ -43,8 +47,74 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         angles = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         cos, sin = angles.cos(), angles.sin()
+        if self.attention_factor != 1.0:  # yarn sharpens attention at long range
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
         self._step = (positions, positions._version, cos, sin)
         return cos, sin
+
+
+def rope_frequencies(
+    head_size: int, theta: float, scaling: RopeScaling | None = None
+) -> tuple[torch.Tensor, float]:
+    """fp32 ``[D/2]`` inverse frequencies, and the factor cos and sin are multiplied by."""
+    exponents = torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size
+    wavelen_scale = theta**exponents  # [D/2] (each wavelength over 2 pi)
+    if scaling is None:
+        return 1.0 / wavelen_scale, 1.0
+    if scaling.rope_type == "llama3":
+        return _llama3(1.0 / wavelen_scale, scaling), 1.0
+    if scaling.rope_type == "yarn":
+        return _yarn(wavelen_scale, head_size, theta, scaling)
+    raise ValueError(f"Unsupported RoPE type {scaling.rope_type!r}")
+
+
+def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Long wavelengths (past original / low_freq_factor) are divided by ``factor``, short
+    ones (below original / high_freq_factor) kept, and the band between blended smoothly."""
+    original = s.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / s.low_freq_factor, inv_freq / s.factor, inv_freq)
+    smooth = (original / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= original / s.high_freq_factor) & (
+        wavelen <= original / s.low_freq_factor
+    )
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn(
+    wavelen_scale: torch.Tensor, head_size: int, theta: float, s: RopeScaling
+) -> tuple[torch.Tensor, float]:
+    """Dimensions that turn fewer than ``beta_slow`` times over the original context are
+    interpolated (divided by ``factor``), those that turn more than ``beta_fast`` times kept,
+    with a linear ramp between; cos and sin grow by the attention factor."""
+
+    def dimension(num_rotations: float) -> float:  # the dimension turning that many times
+        wavelen = s.original_max_position_embeddings / (num_rotations * 2 * math.pi)
+        return head_size * math.log(wavelen) / (2 * math.log(theta))
+
+    low, high = dimension(s.beta_fast), dimension(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_size - 1)
+    if low == high:
+        high += 0.001  # the ramp needs a width
+    ramp = ((torch.arange(head_size // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept_share = 1 - ramp  # [D/2]; 1 - kept_share, not ramp, rounds as transformers does
+    interpolated, kept = 1.0 / (s.factor * wavelen_scale), 1.0 / wavelen_scale
+    return interpolated * (1 - kept_share) + kept * kept_share, _yarn_attention_factor(s)
+
+
+def _yarn_attention_factor(s: RopeScaling) -> float:
+    if s.attention_factor is not None:
+        return s.attention_factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if s.mscale and s.mscale_all_dim:  # DeepSeek's form
+        return mscale(s.factor, s.mscale) / mscale(s.factor, s.mscale_all_dim)
+    return mscale(s.factor)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -123,7 +123,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, dtype=dtype
         )
-        rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
+        rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, dtype, rotary_emb) for i in range(config.num_hidden_layers)
         )

@@ -1,0 +1,103 @@
+"""Running a request's choices (every prompt x ``n``) on the engine, as one stream.
+
+All choices are validated and built before any runs, so a bad one refuses the whole request
+with nothing started. Their outputs arrive interleaved, tagged with the choice's index; a
+consumer that stops early (a client that went away) cancels every choice, which aborts its
+engine request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from cluster.engine import AsyncEngine, RequestOutput
+from cluster.scheduler.request import EngineRequest
+from workers.sampler import TokenLogprobs
+
+_DONE = object()
+
+
+@dataclass
+class Choice:
+    """What one choice has produced so far."""
+
+    index: int
+    prompt_index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, output: RequestOutput) -> None:
+        self.text += output.text
+        self.token_ids += output.token_ids
+        self.logprobs += output.logprobs or []
+        self.prompt_tokens = output.prompt_tokens
+        self.cached_tokens = output.cached_prompt_tokens
+        if output.finish_reason is not None:
+            self.finish_reason = output.finish_reason
+
+
+async def prepare_choices(
+    engine: AsyncEngine,
+    prompts: Sequence[str | list[int]],
+    sampling_fields: dict,
+    n: int,
+    cache_salt: str | None,
+) -> list[EngineRequest]:
+    """One engine request per prompt x n, in choice order. With a seed, choice i of a prompt
+    draws with seed + i, so the choices differ and the response is reproducible."""
+    requests = []
+    for prompt in prompts:
+        for i in range(n):
+            fields = dict(sampling_fields)
+            if n > 1 and fields.get("seed") is not None:
+                fields["seed"] += i
+            sampling = engine.sampling_params(fields)
+            requests.append(await engine.prepare(prompt, sampling, cache_salt=cache_salt))
+    return requests
+
+
+async def stream_choices(
+    engine: AsyncEngine, requests: list[EngineRequest]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """``(choice index, output)`` as each choice's outputs arrive."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def run(index: int, request: EngineRequest) -> None:
+        try:
+            async for output in engine.generate(request):
+                queue.put_nowait((index, output))
+        except Exception as exc:  # the stream ends with it: the first error wins
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(_DONE)
+
+    tasks = [asyncio.ensure_future(run(i, r)) for i, r in enumerate(requests)]
+    running = len(tasks)
+    try:
+        while running:
+            item = await queue.get()
+            if item is _DONE:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect_choices(
+    engine: AsyncEngine, requests: list[EngineRequest], n: int
+) -> list[Choice]:
+    choices = [Choice(index=i, prompt_index=i // n) for i in range(len(requests))]
+    async for index, output in stream_choices(engine, requests):
+        choices[index].add(output)
+    return choices

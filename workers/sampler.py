@@ -1,0 +1,206 @@
+"""The sampler rank 0 runs: one token per row of a step's logits, every row at once.
+
+Order per row: the log-probabilities users asked for (of the model's own distribution), then
+penalties (repetition on prompt and output tokens; presence and frequency on output tokens),
+EOS and stop tokens held back below ``min_tokens``, temperature, top-k, top-p, and a draw.
+Greedy rows (``temperature == 0``) take the argmax of the penalised logits.
+
+No row can make the step fail, whatever its logits hold: a draw is an argmax (the exponential
+race), never ``torch.multinomial``, which raises on NaN. A request with a ``seed`` draws from
+its own generator, made on the logits' device and kept until the request ends for good, so a
+preempted request gives the tokens it would have given had it never been preempted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+import torch
+
+from workers.sampling import MIN_TEMPERATURE, SamplingParams
+
+_SEED_MASK = (1 << 64) - 1  # torch seeds are unsigned 64-bit; any int64 maps onto one
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """One generated token's log-probability and the ``logprobs`` most likely alternatives."""
+
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability), most likely first
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """What one row of a step needs beyond its logits."""
+
+    request_id: str
+    params: SamplingParams
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+
+
+@dataclass(frozen=True)
+class Sampled:
+    tokens: torch.Tensor  # [R] int64 on the logits' device
+    logprobs: dict[str, TokenLogprobs]  # for the rows that asked
+
+
+class Sampler:
+    """Samples one token per row on ``device``; holds the seeded requests' generators."""
+
+    def __init__(self, device: torch.device | str = "cpu", eos_token_ids: Sequence[int] = ()):
+        self.device = torch.device(device)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._generators: dict[str, torch.Generator] = {}
+        self._shared = torch.Generator(device=self.device)
+        self._shared.seed()
+
+    def add_request(self, request_id: str, params: SamplingParams) -> None:
+        """Start a seeded request's generator; a resumed (preempted) request keeps its own."""
+        if params.seed is not None and request_id not in self._generators:
+            generator = torch.Generator(device=self.device)
+            self._generators[request_id] = generator.manual_seed(params.seed & _SEED_MASK)
+
+    def remove_request(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    @property
+    def num_generators(self) -> int:
+        return len(self._generators)
+
+    def sample(
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+    ) -> torch.Tensor:
+        """Tokens for rows with no history-dependent settings (tests and simple callers)."""
+        rows = [SamplingRow(r, p, (), ()) for r, p in zip(request_ids, params, strict=True)]
+        return self.sample_rows(logits, rows).tokens
+
+    def sample_rows(self, logits: torch.Tensor, rows: list[SamplingRow]) -> Sampled:
+        """One token per row of ``logits`` ``[R, vocab]``."""
+        model_logits = logits
+        logits = logits.float()  # the processors below make new tensors: the model's stay
+        if any(row.params.has_penalties for row in rows):
+            logits = _apply_penalties(logits, rows)
+        if any(len(row.output_ids) < row.params.min_tokens for row in rows):
+            logits = _hold_back_stops(logits, rows, self.eos_token_ids)
+        tokens = self._choose(logits, rows)
+        return Sampled(tokens, _logprobs(model_logits, rows, tokens))
+
+    def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        params = [row.params for row in rows]
+        greedy = logits.argmax(dim=-1)  # [R]
+        is_greedy = [p.is_greedy for p in params]
+        if all(is_greedy):
+            return greedy
+        device = logits.device
+        # Greedy rows divide by 1: their draw is discarded, but must stay finite.
+        temperatures = [1.0 if p.is_greedy else max(p.temperature, MIN_TEMPERATURE) for p in params]
+        temperature = torch.tensor(temperatures, dtype=torch.float32, device=device)
+        logits = logits / temperature[:, None]
+        vocab_size = logits.shape[-1]
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        top_p = [p.top_p for p in params]
+        if min(top_k) < vocab_size or min(top_p) < 1.0:
+            sampled = self._draw_filtered(logits, top_k, top_p, rows)
+        else:
+            sampled = self._draw(torch.softmax(logits, dim=-1), rows)
+        return torch.where(torch.tensor(is_greedy, device=device), greedy, sampled)
+
+    def _draw_filtered(self, logits, top_k, top_p, rows) -> torch.Tensor:
+        """Top-k, then top-p, on logits sorted once; the draw happens in sorted order."""
+        device = logits.device
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, V]
+        rank = torch.arange(logits.shape[-1], device=device)[None, :]  # [1, V]
+        k = torch.tensor(top_k, dtype=torch.int64, device=device)[:, None]  # [R, 1]
+        sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p (the top one stays).
+        p = torch.tensor(top_p, dtype=torch.float32, device=device)[:, None]
+        probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= p, 0.0)
+        picked = self._draw(probs, rows)  # [R] positions in sorted order
+        return order.gather(1, picked[:, None]).squeeze(1)
+
+    def _draw(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """A draw per row by the exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)``
+        picks index i with probability ``probs[i] / sum(probs)``, unnormalised rows included."""
+        noise = torch.empty_like(probs).exponential_(generator=self._shared)
+        for index, row in enumerate(rows):
+            if row.params.seed is not None and not row.params.is_greedy:
+                noise[index].exponential_(generator=self._generators[row.request_id])
+        # A draw of exactly 0 would make a filtered-out token 0 / 0 = NaN, which argmax picks.
+        return (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition (HF: on every prompt and output token), then presence and frequency (OpenAI:
+    on output tokens, by how often each was generated), for the rows that ask."""
+    device, vocab_size = logits.device, logits.shape[-1]
+    penalised = [i for i, row in enumerate(rows) if row.params.has_penalties]
+    index = torch.tensor(penalised, dtype=torch.int64, device=device)
+    selected = logits.index_select(0, index)  # [P, V]
+    outputs = _counts([rows[i].output_ids for i in penalised], vocab_size, device)  # [P, V]
+    seen = outputs > 0
+    if any(rows[i].params.repetition_penalty != 1.0 for i in penalised):
+        prompts = _counts([rows[i].prompt_ids for i in penalised], vocab_size, device)
+        seen_any = seen | (prompts > 0)
+        repetition = _column([rows[i].params.repetition_penalty for i in penalised], device)
+        shrunk = torch.where(selected > 0, selected / repetition, selected * repetition)
+        selected = torch.where(seen_any, shrunk, selected)
+    frequency = _column([rows[i].params.frequency_penalty for i in penalised], device)
+    presence = _column([rows[i].params.presence_penalty for i in penalised], device)
+    selected = selected - frequency * outputs - presence * seen.float()
+    return logits.index_copy(0, index, selected)
+
+
+def _hold_back_stops(logits: torch.Tensor, rows: list[SamplingRow], eos_ids) -> torch.Tensor:
+    """Below ``min_tokens``, EOS (unless ignored) and the stop tokens cannot be drawn."""
+    logits = logits.clone()
+    vocab_size = logits.shape[-1]
+    for index, row in enumerate(rows):
+        if len(row.output_ids) >= row.params.min_tokens:
+            continue
+        stops = set(row.params.stop_token_ids) | (set() if row.params.ignore_eos else set(eos_ids))
+        held = [t for t in stops if 0 <= t < vocab_size]
+        if held:
+            logits[index, torch.tensor(held, device=logits.device)] = float("-inf")
+    return logits
+
+
+def _logprobs(
+    logits: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tensor
+) -> dict[str, TokenLogprobs]:
+    """For the rows that ask: the drawn token's log-probability under the model's own
+    distribution (before penalties and temperature, as vLLM reports it), and the top ones."""
+    asked = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if not asked:
+        return {}
+    index = torch.tensor(asked, dtype=torch.int64, device=logits.device)
+    table = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # [A, V]
+    chosen = table.gather(1, tokens.index_select(0, index)[:, None]).squeeze(1).tolist()
+    num_top = max(max(rows[i].params.logprobs for i in asked), 1)
+    top_values, top_ids = (t.tolist() for t in table.topk(num_top, dim=-1))
+    result = {}
+    for n, i in enumerate(asked):
+        k = rows[i].params.logprobs
+        top = list(zip(top_ids[n][:k], top_values[n][:k], strict=True))
+        result[rows[i].request_id] = TokenLogprobs(logprob=chosen[n], top=top)
+    return result
+
+
+def _counts(sequences: list[Sequence[int]], vocab_size: int, device) -> torch.Tensor:
+    """``[len(sequences), vocab]`` float: how often each token occurs in each sequence."""
+    counts = torch.zeros((len(sequences), vocab_size), dtype=torch.float32, device=device)
+    rows = [i for i, seq in enumerate(sequences) for _ in seq]
+    ids = [t for seq in sequences for t in seq]
+    if ids:
+        row_index = torch.tensor(rows, dtype=torch.int64, device=device)
+        token_index = torch.tensor(ids, dtype=torch.int64, device=device).clamp(0, vocab_size - 1)
+        ones = torch.ones(len(ids), dtype=torch.float32, device=device)
+        counts.index_put_((row_index, token_index), ones, accumulate=True)
+    return counts
+
+
+def _column(values: list[float], device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
