@@ -61,7 +61,7 @@ def build_engine(
         rebuild=rebuild,
         max_rebuild_attempts=config.max_rebuild_attempts,
     )
-    engine.default_sampling = dict(model_config.default_sampling or {})
+    engine.admission.default_sampling = dict(model_config.default_sampling or {})
     engine.set_metrics(EngineMetrics(served_model_name(config)))
     return engine
 

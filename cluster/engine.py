@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import itertools
 import logging
 import time
-import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+from cluster.admission import Admission
 from cluster.errors import (
     EngineDeadError,
     EngineInternalError,
@@ -30,25 +29,16 @@ from cluster.errors import (
     OverloadedError,
 )
 from cluster.metrics import EngineMetrics
-from cluster.scheduler.detokenizer import IncrementalDetokenizer
 from cluster.scheduler.request import EngineRequest
 from cluster.scheduler.scheduler import ScheduledStep, Scheduler
 from cluster.scheduler.stop import releasable_text
 from cluster.stats import EngineStats
 from cluster.transport import StepTransport, WorkerLostError
-from cluster.validation import (
-    check_prompt_len,
-    check_prompt_text,
-    check_token_ids,
-    resolve_max_tokens,
-)
-from kvcore.kv_request import KVRequest
 from workers.sampler import TokenLogprobs
 from workers.sampling import SamplingParams
 from workers.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-INLINE_TOKENIZE_CHARS = 4096  # longer text prompts are tokenized in a worker thread
 # A new worker group and the scheduler that goes with its cache.
 Rebuild = Callable[[], Awaitable[tuple[StepTransport, Scheduler]]]
 
@@ -100,7 +90,6 @@ class AsyncEngine:
         self.max_queue_len = max_queue_len
         self.rebuild = rebuild
         self.max_rebuild_attempts = max_rebuild_attempts
-        self.default_sampling: dict = {}  # the model's generation defaults, by field name
         self.metrics: EngineMetrics | None = None
         self.rebuild_backoff_s = 2.0  # doubles after each failed attempt, up to 30 s
         self.state = EngineState.SERVING
@@ -108,7 +97,7 @@ class AsyncEngine:
         self.num_steps = 0
         self.num_rebuilds = 0
         self._streams: dict[str, asyncio.Queue] = {}
-        self._arrivals = itertools.count()
+        self.admission = Admission(tokenizer, vocab_size=vocab_size, max_model_len=max_model_len)
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._last_answer_at = 0.0
@@ -172,13 +161,8 @@ class AsyncEngine:
     # -- requests ---------------------------------------------------------------------------
 
     def sampling_params(self, fields: dict) -> SamplingParams:
-        """A request's sampling: the fields it sets over the model's defaults (its
-        generation_config.json), checked; INVALID_ARGUMENT with what is allowed otherwise."""
-        merged = {**self.default_sampling, **fields}
-        try:
-            return SamplingParams(**merged)
-        except (ValueError, TypeError) as exc:
-            raise InvalidRequestError(str(exc)) from None
+        """The sampling of a request that sets ``fields`` (see ``cluster.admission``)."""
+        return self.admission.sampling_params(fields)
 
     async def prepare(
         self,
@@ -188,38 +172,14 @@ class AsyncEngine:
         *,
         cache_salt: str | None = None,
     ) -> EngineRequest:
-        """Validate and build a request; raises before anything is scheduled. Long prompts
-        are tokenized off the event loop, so health checks and other streams keep going.
-        ``cache_salt`` confines the request's prefix-cache hits to requests with the same
-        salt (a tenant's own)."""
+        """Validate and build a request; raises before anything is scheduled."""
         self._check_taking_requests()
-        if isinstance(prompt, str):
-            check_prompt_text(prompt, self.max_model_len, self.tokenizer.max_chars_per_token)
-            try:
-                if len(prompt) > INLINE_TOKENIZE_CHARS:
-                    token_ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
-                else:
-                    token_ids = self.tokenizer.encode(prompt)
-            except ValueError as exc:  # a model without a tokenizer says to send token ids
-                raise InvalidRequestError(str(exc)) from None
-        else:
-            token_ids = list(prompt)
-            check_token_ids(token_ids, self.vocab_size, "Prompt token ids")
-        check_prompt_len(len(token_ids), self.max_model_len)
-        sampling = resolve_max_tokens(sampling, len(token_ids), self.max_model_len)
-        request_id = request_id or uuid.uuid4().hex
-        kv = KVRequest(
+        return await self.admission.request(
+            prompt,
+            sampling,
             request_id,
-            token_ids,
-            hash_block_size=self.scheduler.coordinator.hash_block_size,
             cache_salt=cache_salt,
-        )
-        return EngineRequest(
-            request_id=request_id,
-            kv=kv,
-            sampling=sampling,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids),
-            arrival_index=next(self._arrivals),
+            hash_block_size=self.scheduler.coordinator.hash_block_size,
         )
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:

@@ -1,0 +1,82 @@
+"""Turning what a front end received into an engine request, or refusing it before anything
+is scheduled: sampling fields over the model's defaults, the prompt tokenized (long prompts off
+the event loop, so health checks and other streams keep going) and checked against the
+model's limits."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from collections.abc import Sequence
+
+from cluster.scheduler.detokenizer import IncrementalDetokenizer
+from cluster.scheduler.request import EngineRequest
+from cluster.validation import (
+    InvalidRequestError,
+    check_prompt_len,
+    check_prompt_text,
+    check_token_ids,
+    resolve_max_tokens,
+)
+from kvcore.kv_request import KVRequest
+from workers.sampling import SamplingParams
+from workers.tokenizer import Tokenizer
+
+INLINE_TOKENIZE_CHARS = 4096  # longer text prompts are tokenized in a worker thread
+
+
+class Admission:
+    def __init__(self, tokenizer: Tokenizer, *, vocab_size: int, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.default_sampling: dict = {}  # the model's generation defaults, by field name
+        self._arrivals = itertools.count()
+
+    def sampling_params(self, fields: dict) -> SamplingParams:
+        """A request's sampling: the fields it sets over the model's defaults (its
+        generation_config.json), checked; InvalidRequestError with what is allowed otherwise."""
+        try:
+            return SamplingParams(**{**self.default_sampling, **fields})
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequestError(str(exc)) from None
+
+    async def request(
+        self,
+        prompt: str | Sequence[int],
+        sampling: SamplingParams,
+        request_id: str | None,
+        *,
+        cache_salt: str | None,
+        hash_block_size: int,
+    ) -> EngineRequest:
+        """A checked request. ``cache_salt`` confines its prefix-cache hits to requests with
+        the same salt (a tenant's own)."""
+        token_ids = await self._token_ids(prompt)
+        check_prompt_len(len(token_ids), self.max_model_len)
+        sampling = resolve_max_tokens(sampling, len(token_ids), self.max_model_len)
+        request_id = request_id or uuid.uuid4().hex
+        kv = KVRequest(
+            request_id, token_ids, hash_block_size=hash_block_size, cache_salt=cache_salt
+        )
+        return EngineRequest(
+            request_id=request_id,
+            kv=kv,
+            sampling=sampling,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids),
+            arrival_index=next(self._arrivals),
+        )
+
+    async def _token_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            token_ids = list(prompt)
+            check_token_ids(token_ids, self.vocab_size, "Prompt token ids")
+            return token_ids
+        check_prompt_text(prompt, self.max_model_len, self.tokenizer.max_chars_per_token)
+        try:
+            if len(prompt) > INLINE_TOKENIZE_CHARS:
+                return await asyncio.to_thread(self.tokenizer.encode, prompt)
+            return self.tokenizer.encode(prompt)
+        except ValueError as exc:  # a model without a tokenizer says to send token ids
+            raise InvalidRequestError(str(exc)) from None
