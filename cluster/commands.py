@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+from contextlib import contextmanager
 
 from cluster.cli import engine_config
 from cluster.client import Client
@@ -68,25 +69,27 @@ def _prompt(args):
         raise ValueError("--prompt-token-ids takes comma-separated integers, e.g. 1,2,3") from None
 
 
-def generate(args) -> int:
+@contextmanager
+def _client(args):
+    """A client of --server, or of an engine started for this command (stopped after)."""
     if args.server is not None:
         with Client(args.server, api_key=args.api_key) as client:
-            return _print_generation(client, args)
+            yield client
+        return
     with (
         running_engine(engine_config(args), in_process=args.in_process) as address,
         Client(address) as client,
     ):
+        yield client
+
+
+def generate(args) -> int:
+    with _client(args) as client:
         return _print_generation(client, args)
 
 
 def chat(args) -> int:
-    if args.server is not None:
-        with Client(args.server, api_key=args.api_key) as client:
-            return _converse(client, args)
-    with (
-        running_engine(engine_config(args), in_process=args.in_process) as address,
-        Client(address) as client,
-    ):
+    with _client(args) as client:
         return _converse(client, args)
 
 
