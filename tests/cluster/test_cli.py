@@ -10,7 +10,10 @@ import sys
 import threading
 import time
 
+import httpx
+import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.client import Client, UnavailableError
 
@@ -109,11 +112,12 @@ def test_bad_settings_fail_with_a_message(args, message):
     assert message in result.stderr
 
 
-def start_serving(*flags: str) -> tuple[subprocess.Popen, str, list[str]]:
-    """``kvray serve`` on a fresh local Ray; returns the process, its address and the list
-    its output lines keep landing in (read in a thread, so the pipe never fills)."""
+def start_serving(*flags: str) -> tuple[subprocess.Popen, str, str, list[str]]:
+    """``kvray serve`` on a fresh local Ray; returns the process, its gRPC address, the base
+    URL of its OpenAI API and the list its output lines keep landing in (read in a thread, so
+    the pipe never fills)."""
     server = subprocess.Popen(
-        [*KVRAY, "serve", "--port", "0", *SMALL, *flags],
+        [*KVRAY, "serve", "--port", "0", "--http-port", "0", *SMALL, *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -132,13 +136,31 @@ def start_serving(*flags: str) -> tuple[subprocess.Popen, str, list[str]]:
     if not ready.wait(timeout=180):
         server.kill()
         raise AssertionError("kvray serve did not report its address:\n" + "".join(seen))
-    address = next(x for x in seen if x.startswith("kvray: serving")).split(" on ")[1].split()[0]
-    return server, address, seen
+    line = next(x for x in seen if x.startswith("kvray: serving"))
+    address = line.split(" on ")[1].split()[0]
+    base_url = line.split("OpenAI API at ")[1].split(";")[0]
+    return server, address, base_url, seen
 
 
 def test_serve_generate_then_drain_on_sigterm():
-    server, address, seen = start_serving("-tp", "2", "--drain-timeout", "60")
+    server, address, base_url, seen = start_serving("-tp", "2", "--drain-timeout", "60")
     try:
+        # The OpenAI API of the same server, through the official client; /metrics counts it.
+        api = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+        completion = api.completions.create(
+            model=api.models.list().data[0].id, prompt="Hello", max_tokens=4, temperature=0
+        )
+        assert completion.usage.completion_tokens == 4
+        assert completion.choices[0].finish_reason == "length"
+        metrics = httpx.get(base_url.removesuffix("/v1") + "/metrics").text
+        (success,) = [
+            sample
+            for family in text_string_to_metric_families(metrics)
+            for sample in family.samples
+            if sample.name == "kvray:request_success_total"
+        ]
+        assert success.labels["finished_reason"] == "length" and success.value == 1
+
         result = run(
             "generate",
             "--server",

@@ -17,7 +17,9 @@ from cluster.config import EngineConfig
 from cluster.local import LocalServer
 from tests.workers.engine import KV_CACHE_MEMORY, run_in_process
 from tests.workers.hf_models import COMMON, PROMPTS, reference_generations, save_model
+from tests.workers.test_chat_template import CONVERSATIONS
 from workers import default_model
+from workers.chat_template import render_chat
 from workers.default_model import gguf_path_for, model_config_for
 from workers.tokenizer import HFTokenizer, load_tokenizer_for
 from workers.worker import WorkerOptions
@@ -122,6 +124,25 @@ def test_gguf_tokenizer_equals_transformers(hf_tokenizer):
     }
     assert tokenizer.eos_token_ids == (2,)
     assert tokenizer.max_chars_per_token >= max(len(t) for t in hf_tokenizer.get_vocab())
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_smollm2_chat_template_renders_as_transformers_does(hf_tokenizer, add_generation_prompt):
+    """The template read from the GGUF metadata, rendered by kvray, is the text transformers'
+    ``apply_chat_template`` gives for the same file (system prompt added by the template,
+    multi-turn, non-ASCII)."""
+    tokenizer = load_tokenizer_for(SMOLLM2, (2,))
+    for messages in CONVERSATIONS:
+        ours = render_chat(
+            tokenizer.chat_template,
+            messages,
+            special_tokens=tokenizer.special_tokens,
+            add_generation_prompt=add_generation_prompt,
+        )
+        theirs = hf_tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        assert ours == theirs, messages
 
 
 def test_missing_package_says_how_to_install(monkeypatch):
