@@ -55,6 +55,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="reuse the KV cache of shared prompt prefixes (default on)",
     )
     g.add_argument(
+        "--mamba-state-interval",
+        type=int,
+        default=None,
+        help="hybrid models: tokens between the Mamba states kept for prefix caching, a "
+        "multiple of --block-size; a shared prefix hits at its last multiple of it (default "
+        f"{engine_default('mamba_state_interval')})",
+    )
+    g.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=None,
@@ -179,6 +187,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "block_size": args.block_size,
         "kv_cache_layout": args.kv_cache_layout,
         "enable_prefix_caching": args.enable_prefix_caching,
+        "mamba_state_interval": args.mamba_state_interval,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "kv_cache_memory_bytes": parse_bytes(args.kv_cache_memory),
         "num_gpu_blocks_override": args.num_gpu_blocks_override,

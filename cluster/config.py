@@ -18,6 +18,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = defaults.BLOCK_SIZE
     kv_cache_layout: str | None = None  # None: the attention backend's first choice
     enable_prefix_caching: bool = True
+    # Hybrids: tokens between the Mamba states kept for prefix caching (a multiple of
+    # block_size); a shared prefix hits at its last multiple of this.
+    mamba_state_interval: int = defaults.MAMBA_STATE_INTERVAL
     gpu_memory_utilization: float = defaults.GPU_MEMORY_UTILIZATION
     kv_cache_memory_bytes: int | None = None  # required on CPU-only workers
     num_gpu_blocks_override: int | None = None
@@ -44,6 +47,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         checks = {
             "tensor_parallel_size": self.tensor_parallel_size >= 1,
             "block_size": self.block_size >= 1,
+            "mamba_state_interval": self.mamba_state_interval >= 1
+            and self.mamba_state_interval % max(self.block_size, 1) == 0,
             "max_num_seqs": self.max_num_seqs >= 1,
             "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
             "gpu_memory_utilization": 0 < self.gpu_memory_utilization <= 1,
@@ -63,6 +68,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     def default(cls, name: str):
         """A field's default, for the CLI's help (one definition of each default)."""
         return next(f.default for f in msgspec.structs.fields(cls) if f.name == name)
+
+    def state_caching(self):
+        """How Mamba layers keep states for the prefix cache (None: caching is off)."""
+        from workers.kv_specs import StateCaching
+
+        if not self.enable_prefix_caching:
+            return None
+        return StateCaching(self.mamba_state_interval, self.max_num_batched_tokens)
 
     def for_workers_on(self, *, use_gpu: bool) -> EngineConfig:
         """These settings with the defaults that depend on the workers' device filled in."""
@@ -89,4 +102,5 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             gpu_memory_utilization=self.gpu_memory_utilization,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs,
+            state_caching=self.state_caching(),
         )

@@ -7,7 +7,9 @@ from cluster.startup import max_model_len_for
 from kernels.backends import get_attention_backend
 from kvcore import (
     KVCacheLayout,
+    MambaSpec,
     get_kv_cache_config,
+    iter_layer_specs,
     resolve_kv_cache_layout,
 )
 from workers.default_model import model_display_name
@@ -24,6 +26,7 @@ def plan_report(config: EngineConfig, model_config, layouts: list[str] | None = 
         0,
         backend.customize_spec,
         config.dtype or model_config.dtype,
+        config.state_caching(),
     )
     supported = [layout.name for layout in backend.supported_kv_cache_layouts()]
     chosen = resolve_kv_cache_layout(config.kv_cache_layout, [supported] * tp, specs.values())
@@ -52,6 +55,7 @@ def plan_report(config: EngineConfig, model_config, layouts: list[str] | None = 
             f"{spec.block_size} tokens, page {spec.page_size_bytes} bytes "
             f"(H={spec.num_heads} N={spec.num_states} C={spec.state_content_size_bytes})"
         )
+    lines.extend(state_caching_lines(config, kv))
     lines.append("strides per layout (layer_stride, block_stride, offset) of each tensor:")
     for layout in layouts or [layout.name for layout in KVCacheLayout]:
         try:
@@ -65,3 +69,24 @@ def plan_report(config: EngineConfig, model_config, layouts: list[str] | None = 
         )
         lines.append(f"  {KVCacheLayout.parse(layout).name}: {tensors}")
     return "\n".join(lines)
+
+
+def state_caching_lines(config: EngineConfig, kv) -> list[str]:
+    """What keeping Mamba states for the prefix cache costs, for hybrids."""
+    mamba_groups = [
+        group
+        for group in kv.kv_cache_groups
+        if any(isinstance(spec, MambaSpec) for spec in iter_layer_specs(group.kv_cache_spec))
+    ]
+    if not mamba_groups:
+        return []
+    caching = config.state_caching()
+    if caching is None:
+        return ["mamba states: one per request, no prefix-cache hits (prefix caching is off)"]
+    # Each group's state block is a whole pool block, whatever its page.
+    per_step = caching.num_checkpoints * len(mamba_groups) * kv.bytes_per_block
+    return [
+        f"mamba states: one kept every {caching.interval} tokens for prefix caching "
+        f"(--mamba-state-interval); a step checkpoints up to {caching.num_checkpoints} per "
+        f"group, {per_step} bytes in blocks until they are cached, then evictable"
+    ]

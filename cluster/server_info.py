@@ -36,10 +36,18 @@ def static_info(
 
 def server_info(engine, info: dict) -> pb.ServerInfo:
     scheduler = engine.scheduler
+    groups = []
+    for static, hit_tokens in zip(info["groups"], scheduler.prefix_group_hit_tokens, strict=True):
+        group = pb.KVCacheGroup()
+        group.CopyFrom(static)
+        group.prefix_cache_group_hit_tokens = hit_tokens
+        groups.append(group)
     return pb.ServerInfo(
-        **info,
+        **{**info, "groups": groups},
         num_free_blocks=scheduler.coordinator.num_free_blocks,
         num_running_requests=len(scheduler.running),
         num_waiting_requests=len(scheduler.waiting),
+        prefix_cache_queried_tokens=scheduler.prefix_queried_tokens,
+        prefix_cache_hit_tokens=scheduler.prefix_hit_tokens,
         **engine.stats.summary(),
     )

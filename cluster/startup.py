@@ -15,7 +15,7 @@ from kvcore import (
     get_kv_cache_configs,
     resolve_kv_cache_layout,
 )
-from workers.kv_specs import global_kv_cache_specs
+from workers.kv_specs import global_kv_cache_specs, state_head_axes
 from workers.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -30,9 +30,16 @@ def plan_kv_cache(
 ) -> KVCacheConfig:
     backend = get_attention_backend(config.attention_backend)
     kv_dtype = config.dtype or model_config.dtype
-    global_specs = global_kv_cache_specs(model_config, config.block_size, kv_dtype)
+    tp_size = config.tensor_parallel_size
+    global_specs = global_kv_cache_specs(
+        model_config, config.block_size, kv_dtype, tp_size, config.state_caching()
+    )
     check_rank_reports(
-        reports, global_specs, config.tensor_parallel_size, customize_spec=backend.customize_spec
+        reports,
+        global_specs,
+        tp_size,
+        customize_spec=backend.customize_spec,
+        state_head_axes=state_head_axes(model_config),
     )
     ordered = sorted(reports, key=lambda r: r.rank)
     layout = resolve_kv_cache_layout(

@@ -12,16 +12,27 @@ class StaleCacheHitError(RuntimeError):
 
 
 class CacheHit:
-    """A cached prefix: ``num_tokens`` tokens, and the blocks holding them in each group."""
+    """A cached prefix: ``num_tokens`` tokens, and the blocks holding them in each group.
 
-    __slots__ = ("_keys", "_num_evictions", "blocks", "num_tokens")
+    ``group_num_tokens`` says, per group, how long a prefix that group found on its own during
+    the search (every group must agree on the hit, so one group's miss caps all of them: this
+    is how a state group's miss shows)."""
+
+    __slots__ = ("_keys", "_num_evictions", "blocks", "group_num_tokens", "num_tokens")
 
     def __init__(
-        self, num_tokens: int, blocks: list[list[KVCacheBlock]], num_evictions: int = 0
+        self,
+        num_tokens: int,
+        blocks: list[list[KVCacheBlock]],
+        num_evictions: int = 0,
+        group_num_tokens: tuple[int, ...] | None = None,
     ) -> None:
         self.num_tokens = num_tokens
         self.blocks = blocks
         self._num_evictions = num_evictions
+        if group_num_tokens is None:
+            group_num_tokens = tuple(num_tokens if group else 0 for group in blocks)
+        self.group_num_tokens = group_num_tokens
         self._keys = [[block.block_hash for block in group] for group in blocks]
 
     @property

@@ -116,9 +116,14 @@ class KVCacheCoordinator:
         if max_length <= 0 or request.request_id in self._limits:
             return self.empty_hit()
         blocks, num_tokens = self._search(request.block_hashes, max_length)
+        reach = self._group_reach()
         if num_tokens == 0:
-            return self.empty_hit()
-        return CacheHit(num_tokens, blocks, self.block_pool.num_evictions)
+            return CacheHit(0, [[] for _ in self.managers], group_num_tokens=reach)
+        return CacheHit(num_tokens, blocks, self.block_pool.num_evictions, reach)
+
+    def _group_reach(self) -> tuple[int, ...] | None:
+        """Per group, the prefix it found alone in the last search (None: the hit itself)."""
+        return None
 
     def _search(
         self, block_hashes: Sequence[BlockHash], max_length: int

@@ -50,6 +50,7 @@ class HybridCoordinator(KVCacheCoordinator):
             cache_hit_alignment=effective_cache_hit_alignment(config),
         )
         self.spec_groups = self._split_spec_groups()
+        self._reach: list[int] = [0] * len(self.managers)
         # One spec group, or full attention plus one other: one pass reaches the fixed point.
         self.is_simple = len(self.spec_groups) == 1 or (
             len(self.spec_groups) == 2 and self._is_full(self.spec_groups[0][0])
@@ -85,6 +86,7 @@ class HybridCoordinator(KVCacheCoordinator):
         self, block_hashes: Sequence[BlockHash], max_length: int
     ) -> tuple[list[list[KVCacheBlock]], int]:
         results: list[tuple[list[list[KVCacheBlock]], int] | None] = [None] * len(self.spec_groups)
+        self._reach = reach = [0] * len(self.managers)
         hit_length = max_length
         while True:
             current = hit_length
@@ -96,6 +98,8 @@ class HybridCoordinator(KVCacheCoordinator):
                 found = manager.find_longest_cache_hit(block_hashes, current, group_ids)
                 results[index] = found
                 current = found[1]
+                for group_id in group_ids:
+                    reach[group_id] = max(reach[group_id], current)
                 if current == 0:
                     return self._per_group({}, 0), 0
             converged = current >= hit_length
@@ -103,6 +107,9 @@ class HybridCoordinator(KVCacheCoordinator):
             if converged or self.is_simple:
                 break
         return self._per_group(results, hit_length), hit_length
+
+    def _group_reach(self) -> tuple[int, ...]:
+        return tuple(self._reach)
 
     def _per_group(self, results, hit_length: int) -> list[list[KVCacheBlock]]:
         """Every group's block list for a hit of ``hit_length`` tokens ([] for groups left

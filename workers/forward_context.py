@@ -1,7 +1,8 @@
-"""What every attention layer needs during one forward pass, set by the runner around it.
+"""What every cache-bound layer needs during one forward pass, set by the runner around it.
 
-The model's modules are plain math and never see the step plan; the attention layers look up
-their group's metadata here (block table, slot mapping, sequence lengths) by layer name.
+The model's modules are plain math and never see the step plan; the attention and Mamba layers
+look up their group's metadata here (block table, slot mapping, sequence lengths; state slots)
+by layer name.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 class ForwardContext:
     backend: Any  # the attention backend serving this forward
     metadata_by_layer: Mapping[str, Any]  # layer name -> its KV-cache group's step metadata
+    mamba_backend: Any = None  # the Mamba kernels (kernels.mamba), for hybrid models
 
 
 _current: ForwardContext | None = None

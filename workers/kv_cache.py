@@ -1,4 +1,5 @@
-"""A worker's KV cache: one raw byte buffer, one view per attention layer, bound to the layer.
+"""A worker's KV cache: one raw byte buffer, one view per cache layer (attention K/V, or a
+Mamba layer's state page), bound to the layer.
 
 The plan (``KVCacheConfig``) comes from the controller; this module only executes it. Where the
 attention backend needs blocks smaller than the scheduler's, each group's views are split into
@@ -8,11 +9,11 @@ kernel blocks (kvcore refuses layouts that cannot be split).
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from kernels.backends import AttentionBackend, MultipleOf
-from kvcore import KVCacheConfig, create_kv_cache_views
+from kvcore import KVCacheConfig, MambaSpec, create_kv_cache_views
 from kvcore._math import round_up
-from workers.layers.attention import Attention
 
 ALLOCATION_ALIGNMENT = 4096
 
@@ -36,7 +37,7 @@ def select_kernel_block_size(block_size: int, backend: AttentionBackend) -> int:
 
 def allocate_kv_cache(
     config: KVCacheConfig,
-    layers: dict[str, Attention],
+    layers: dict[str, nn.Module],
     backend: AttentionBackend,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
@@ -51,7 +52,9 @@ def allocate_kv_cache(
     for tensor in config.kv_cache_tensors:
         group = config.kv_cache_groups[config.group_of(tensor.layers[0])]
         spec = group.layer_spec(tensor.layers[0])
-        kernel_block_size = select_kernel_block_size(spec.block_size, backend)
+        # A recurrent state is one page per block, never split into kernel blocks.
+        is_state = isinstance(spec, MambaSpec)
+        kernel_block_size = None if is_state else select_kernel_block_size(spec.block_size, backend)
         views = create_kv_cache_views(
             raw, spec, config.num_blocks, config.layout, tensor, kernel_block_size
         )

@@ -87,10 +87,12 @@ def load_named_tensors(model: nn.Module, entries) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     tied = getattr(model.config, "tie_word_embeddings", False)
+    # A family whose checkpoint names differ from its parameters' says how to map them.
+    rename = getattr(model, "checkpoint_name", None)
     for name, tensor in entries:
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue  # derived buffers, and a head that is the embedding
-        param_name, shard_id = _target(model, name)
+        param_name, shard_id = _target(model, name if rename is None else rename(name))
         param = params.get(param_name)
         if param is None:
             raise CheckpointError(

@@ -15,6 +15,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "NemotronHForCausalLM",  # hybrid: Mamba-2, attention and MLP layers (workers/models/nemotron_h)
 )
 DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
@@ -41,6 +42,45 @@ class RopeScaling(msgspec.Struct, frozen=True, kw_only=True):
     truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
 
 
+class MambaConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The Mamba-2 mixer of a hybrid model's ``mamba`` layers (NemotronH's ``M``)."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int  # N, the SSM state per head channel
+    n_groups: int  # B and C groups; heads h share group h // (num_heads // n_groups)
+    conv_kernel: int
+    chunk_size: int  # the SSD scan's chunk (a power of two)
+    use_conv_bias: bool
+    proj_bias: bool  # in_proj and out_proj (transformers reads ``use_bias``)
+    # transformers floors dt at ``time_step_min`` in its chunked scan, which runs the prompt,
+    # but not in its one-token recurrent step, which runs generated tokens; kvray does the same.
+    dt_min: float
+    ssm_cache_dtype: str = "float32"  # the SSM state; the conv state takes the model's dtype
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    def groups_per_rank(self, tp_size: int) -> int:
+        """B/C groups on each rank: split when ``n_groups % tp == 0``; a single group is
+        replicated on every rank; anything else is refused."""
+        if self.num_heads % tp_size:
+            raise UnsupportedModelError(
+                f"mamba_num_heads={self.num_heads} is not divisible by tensor parallel size "
+                f"{tp_size}; choose a tensor parallel size that divides it."
+            )
+        if self.n_groups % tp_size == 0:
+            return self.n_groups // tp_size
+        if self.n_groups == 1:
+            return 1
+        raise UnsupportedModelError(
+            f"n_groups={self.n_groups} cannot be split over tensor parallel size {tp_size}: it "
+            f"must be divisible by {tp_size} (groups are split) or be 1 (the group is "
+            "replicated on every rank)."
+        )
+
+
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     architecture: str
     vocab_size: int
@@ -59,8 +99,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3 normalises each query and key head before RoPE
-    # One entry per layer: "full_attention" or "sliding_attention".
+    # One entry per layer: "full_attention" or "sliding_attention"; hybrids also "mamba" and
+    # "mlp" (a layer that is only an MLP block).
     layer_types: tuple[str, ...] = ()
+    mamba: MambaConfig | None = None  # hybrids only
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -91,6 +133,8 @@ def parse_hf_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
             f"Unsupported architecture {architecture!r}. Supported architectures: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    if architecture == "NemotronHForCausalLM":
+        return _parse_nemotron_h(raw, generation or {})
     hidden = raw["hidden_size"]
     heads = raw["num_attention_heads"]
     num_layers = raw["num_hidden_layers"]
@@ -211,3 +255,103 @@ def _biases(raw: dict[str, Any], architecture: str) -> dict[str, bool]:
     attention_bias = bool(raw.get("attention_bias"))
     mlp_bias = architecture == "LlamaForCausalLM" and bool(raw.get("mlp_bias"))
     return {"qkv_bias": attention_bias, "o_proj_bias": attention_bias, "mlp_bias": mlp_bias}
+
+
+# NemotronH's legacy ``hybrid_override_pattern`` letters and its ``layers_block_type`` names,
+# each mapped to kvray's layer type (None: known, but not served yet).
+NEMOTRON_H_LETTERS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+NEMOTRON_H_BLOCK_TYPES = {
+    "linear_attention": "mamba",
+    "full_attention": "full_attention",
+    "mlp": "mlp",
+    "moe": None,
+}
+
+
+def _parse_nemotron_h(raw: dict[str, Any], generation: dict[str, Any]) -> ModelConfig:
+    """NemotronH: Mamba-2 (M), attention without RoPE (*) and relu² MLP (-) layers."""
+    for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+        if raw.get(key, want) != want:
+            raise UnsupportedModelError(f"Unsupported {key} {raw[key]!r}; supported: {want}")
+    layer_types = _nemotron_h_layer_types(raw)
+    heads = raw.get("num_attention_heads", 32)
+    eos_ids = _ids(raw.get("eos_token_id"))
+    eos_ids += tuple(i for i in _ids(generation.get("eos_token_id")) if i not in eos_ids)
+    ssm_dtype = raw.get("mamba_ssm_cache_dtype") or "float32"
+    if ssm_dtype not in (*DTYPES, "auto"):
+        raise UnsupportedModelError(
+            f"Unsupported mamba_ssm_cache_dtype {ssm_dtype!r}; supported: auto, {', '.join(DTYPES)}"
+        )
+    mamba = MambaConfig(
+        num_heads=raw.get("mamba_num_heads", 128),
+        head_dim=raw.get("mamba_head_dim", 64),
+        state_size=raw.get("ssm_state_size", 128),
+        n_groups=raw.get("n_groups", raw.get("mamba_n_groups", 8)),
+        conv_kernel=raw.get("conv_kernel", raw.get("mamba_d_conv", 4)),
+        chunk_size=raw.get("chunk_size", raw.get("mamba_chunk_size", 128)),
+        use_conv_bias=bool(raw.get("use_conv_bias", raw.get("mamba_conv_bias", True))),
+        proj_bias=bool(raw.get("use_bias", False)),
+        dt_min=float(raw.get("time_step_min", raw.get("mamba_dt_min", 0.001))),
+        ssm_cache_dtype="float32" if ssm_dtype == "auto" else ssm_dtype,
+    )
+    if mamba.num_heads % mamba.n_groups:
+        raise UnsupportedModelError(
+            f"mamba_num_heads={mamba.num_heads} is not divisible by n_groups={mamba.n_groups}"
+        )
+    return ModelConfig(
+        architecture="NemotronHForCausalLM",
+        vocab_size=raw.get("vocab_size", 131072),
+        hidden_size=raw.get("hidden_size", 4096),
+        intermediate_size=raw.get("intermediate_size", 21504),
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=heads,
+        num_key_value_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or raw.get("hidden_size", 4096) // heads,
+        rms_norm_eps=raw.get("layer_norm_epsilon", 1e-5),
+        rope_theta=10000.0,  # unused: NemotronH's attention has no rotary embedding
+        max_position_embeddings=raw.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        # transformers' NemotronH attention has no biases, whatever attention_bias says.
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        layer_types=layer_types,
+        mamba=mamba,
+        eos_token_ids=eos_ids,
+        bos_token_id=raw.get("bos_token_id"),
+        dtype=DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype")), "float32"),
+        default_sampling=_default_sampling(generation),
+    )
+
+
+def _nemotron_h_layer_types(raw: dict[str, Any]) -> tuple[str, ...]:
+    """Each layer's kvray type, from ``layers_block_type`` or ``hybrid_override_pattern``."""
+    block_types = raw.get("layers_block_type") or raw.get("layer_types")
+    if block_types is None:
+        pattern = raw.get("hybrid_override_pattern")
+        if not pattern:
+            raise UnsupportedModelError(
+                "NemotronH config needs layers_block_type or hybrid_override_pattern"
+            )
+        block_types = []
+        for position, letter in enumerate(pattern):
+            if letter not in NEMOTRON_H_LETTERS:
+                known = ", ".join(f"{k} ({v})" for k, v in NEMOTRON_H_LETTERS.items())
+                raise UnsupportedModelError(
+                    f"hybrid_override_pattern {pattern!r} has an unknown layer letter "
+                    f"{letter!r} at position {position}; known letters: {known}"
+                )
+            block_types.append(NEMOTRON_H_LETTERS[letter])
+    types = []
+    for index, block_type in enumerate(block_types):
+        if block_type not in NEMOTRON_H_BLOCK_TYPES:
+            raise UnsupportedModelError(
+                f"Layer {index} has an unknown block type {block_type!r}; known: "
+                f"{', '.join(NEMOTRON_H_BLOCK_TYPES)}"
+            )
+        if NEMOTRON_H_BLOCK_TYPES[block_type] is None:
+            raise UnsupportedModelError(
+                f"Layer {index} is a {block_type} (mixture-of-experts, 'E') layer; kvray does "
+                "not serve MoE layers yet. Served NemotronH layers: linear_attention (M), "
+                "full_attention (*), mlp (-)."
+            )
+        types.append(NEMOTRON_H_BLOCK_TYPES[block_type])
+    return tuple(types)

@@ -41,6 +41,7 @@ def run_profile_step(
     backend: AttentionBackend,
     specs: Mapping[str, KVCacheSpec],
     *,
+    mamba_backend=None,
     num_tokens: int,
     num_seqs: int,
     max_len: int,
@@ -64,10 +65,10 @@ def run_profile_step(
         enable_prefix_caching=False,
         num_blocks_override=num_blocks,
     )
-    layers = model.attention_layers()
+    layers = model.kv_cache_layers()
     scratch = allocate_kv_cache(config, layers, backend, device)
     try:
-        runner = ModelRunner(model, backend, config, device)
+        runner = ModelRunner(model, backend, config, device, mamba_backend=mamba_backend)
         runner.execute(StepPlan(new_requests=_profile_requests(lens, blocks_per_group)))
         return scratch.numel() * scratch.element_size()
     finally:

@@ -2,23 +2,26 @@
 
 It keeps, per live request, the tokens known so far, the block ids of every KV-cache group and
 the sampling parameters; each step it flattens the scheduled tokens into one batch, builds
-attention metadata once per KV-cache group, runs the forward, and samples on rank 0 for every
-request whose known tokens are all computed. Rank 0's tokens are broadcast so every rank's
+metadata once per KV-cache group (attention metadata, or a Mamba group's state slots,
+``workers.mamba_metadata``), runs the forward, and samples on rank 0 for every request whose
+known tokens are all computed. Rank 0's tokens are broadcast so every rank's
 token history stays identical.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 
 from kernels.backends import AttentionBackend
-from kvcore import KVCacheConfig
+from kvcore import KVCacheConfig, MambaSpec, iter_layer_specs
 from kvcore._math import cdiv
 from workers.block_table import BlockTable
 from workers.forward_context import ForwardContext, set_forward_context
+from workers.mamba_metadata import build_mamba_metadata, plan_align_states, state_slots
 from workers.parallel import broadcast_from_first, get_tp_group
 from workers.sampler import Sampler, SamplingRow, TokenLogprobs
 from workers.sampling import SamplingParams
@@ -48,9 +51,11 @@ class ModelRunner:
         backend: AttentionBackend,
         config: KVCacheConfig,
         device: torch.device | str = "cpu",
+        mamba_backend=None,  # kernels.mamba's backend, for models with Mamba layers
     ):
         self.model = model
         self.backend = backend
+        self.mamba_backend = mamba_backend
         self.config = config
         self.device = torch.device(device)
         self.requests: dict[str, RunnerRequest] = {}
@@ -60,7 +65,20 @@ class ModelRunner:
             BlockTable(cdiv(config.max_model_len, group.kv_cache_spec.block_size))
             for group in config.kv_cache_groups
         ]
-        # Which group each attention layer's blocks come from.
+        # Groups of recurrent states (each layer of a group is of one kind), and the state
+        # interval of those in "align" mode (None: one state per request).
+        groups = config.kv_cache_groups
+        first_specs = [next(iter(iter_layer_specs(group.kv_cache_spec))) for group in groups]
+        self.is_mamba_group = [isinstance(spec, MambaSpec) for spec in first_specs]
+        self.state_intervals = [
+            spec.block_size
+            if isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align"
+            else None
+            for spec in first_specs
+        ]
+        # The state copies an "align" step makes run layer by layer, before the forward.
+        self._pending_copies: list[tuple[int, list[int], list[int]]] = []
+        # Which group each cache layer's blocks come from.
         self.layer_groups = {
             name: index
             for index, group in enumerate(config.kv_cache_groups)
@@ -123,29 +141,62 @@ class ModelRunner:
         """Hidden states ``[T, hidden]``, and the seconds of the model call alone (metadata
         building counts as step overhead)."""
         metadata_per_group = [
-            self.backend.build_metadata(
-                batch.query_lens,
-                batch.seq_lens,
-                table.rows(batch.request_ids),
-                group.kv_cache_spec.block_size,
-                self.device,
-            )
-            for table, group in zip(self.block_tables, self.config.kv_cache_groups, strict=True)
+            self._group_metadata(batch, index) for index in range(len(self.block_tables))
         ]
         context = ForwardContext(
             backend=self.backend,
             metadata_by_layer={
                 name: metadata_per_group[index] for name, index in self.layer_groups.items()
             },
+            mamba_backend=self.mamba_backend,
         )
         token_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
         with torch.inference_mode(), set_forward_context(context):
+            self._copy_states()
             started = time.perf_counter()
             hidden = self.model(token_ids, positions)  # [T, hidden]
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # kernels run asynchronously: time them
             return hidden, time.perf_counter() - started
+
+    def _group_metadata(self, batch: ScheduledBatch, group_index: int):
+        rows = self.block_tables[group_index].rows(batch.request_ids)
+        if not self.is_mamba_group[group_index]:
+            block_size = self.config.kv_cache_groups[group_index].kv_cache_spec.block_size
+            return self.backend.build_metadata(
+                batch.query_lens, batch.seq_lens, rows, block_size, self.device
+            )
+        num_computed = [s - q for s, q in zip(batch.seq_lens, batch.query_lens, strict=True)]
+        num_prompt = [self.requests[r].num_prompt_tokens for r in batch.request_ids]
+        interval = self.state_intervals[group_index]
+        if interval is None:
+            return build_mamba_metadata(
+                batch.query_lens, num_computed, num_prompt, state_slots(rows), self.device
+            )
+        plan = plan_align_states(rows.tolist(), num_computed, batch.query_lens, interval)
+        if plan.copies[0]:
+            self._pending_copies.append((group_index, *plan.copies))
+        return build_mamba_metadata(
+            batch.query_lens,
+            num_computed,
+            num_prompt,
+            plan.slots,
+            self.device,
+            checkpoints=plan.checkpoints,
+            # Checkpoints must fall on chunk ends of the scan.
+            chunk_size=math.gcd(self.model.config.mamba.chunk_size, interval),
+        )
+
+    def _copy_states(self) -> None:
+        """Carry each "align" request's state into the block its step writes."""
+        layers = self.model.kv_cache_layers()
+        for group_index, sources, targets in self._pending_copies:
+            source_ids = torch.tensor(sources, dtype=torch.int64, device=self.device)
+            target_ids = torch.tensor(targets, dtype=torch.int64, device=self.device)
+            for name in self.config.kv_cache_groups[group_index].layer_names:
+                layers[name].copy_states(source_ids, target_ids)
+        self._pending_copies.clear()
 
     def _sample(
         self, batch: ScheduledBatch, hidden: torch.Tensor

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from kernels.backends import get_attention_backend
+from kernels.mamba import get_mamba_backend
 from kvcore import KVCacheConfig, RankReport, decode, encode
 from workers import defaults
 from workers.default_model import (
@@ -26,7 +27,7 @@ from workers.default_model import (
 from workers.device import distributed_backend, select_device
 from workers.gguf import load_gguf_weights
 from workers.kv_cache import allocate_kv_cache
-from workers.kv_specs import rank_kv_cache_specs
+from workers.kv_specs import StateCaching, rank_kv_cache_specs
 from workers.layers.cpu_matmul import pack_linear_weights
 from workers.loader import load_weights
 from workers.memory import CudaMemoryProbe, MemorySnapshot, kv_cache_budget
@@ -56,6 +57,7 @@ class WorkerOptions:
     max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS  # the largest step (profile)
     max_num_seqs: int = defaults.MAX_NUM_SEQS  # the most sampled rows in a step (profile)
     num_threads: int | None = None  # torch threads (a Ray actor's CPUs); None: torch's default
+    state_caching: StateCaching | None = None  # hybrids' Mamba states in the prefix cache
 
 
 class Worker:
@@ -71,6 +73,10 @@ class Worker:
         self._memory_before_load: MemorySnapshot | None = None
         self.backend = get_attention_backend(options.attention_backend)
         self.model_config: ModelConfig = model_config_for(options.model)
+        # A hybrid's Mamba kernels: the Mamba backend of the attention backend's name.
+        self.mamba_backend = None
+        if self.model_config.mamba is not None:
+            self.mamba_backend = get_mamba_backend(options.attention_backend)
         self.model = None
         self.runner: ModelRunner | None = None
         self._raw_kv_cache: torch.Tensor | None = None
@@ -121,6 +127,7 @@ class Worker:
             tp.rank,
             customize_spec=self.backend.customize_spec,
             kv_cache_dtype=self.kv_cache_dtype(),
+            state_caching=self.options.state_caching,
         )
         report = RankReport(
             rank=tp.rank,
@@ -144,6 +151,7 @@ class Worker:
             self.model,
             self.backend,
             specs,
+            mamba_backend=self.mamba_backend,
             num_tokens=self.options.max_num_batched_tokens,
             num_seqs=self.options.max_num_seqs,
             max_len=self.model_config.max_position_embeddings,
@@ -167,9 +175,11 @@ class Worker:
     def allocate_kv_cache(self, config_bytes: bytes) -> int:
         config = decode(config_bytes, KVCacheConfig)
         self._raw_kv_cache = allocate_kv_cache(
-            config, self.model.attention_layers(), self.backend, self.device
+            config, self.model.kv_cache_layers(), self.backend, self.device
         )
-        self.runner = ModelRunner(self.model, self.backend, config, self.device)
+        self.runner = ModelRunner(
+            self.model, self.backend, config, self.device, mamba_backend=self.mamba_backend
+        )
         return self._raw_kv_cache.numel()
 
     # -- serving ---------------------------------------------------------------------------

@@ -50,6 +50,10 @@ class Scheduler:
         self._finished_ids: list[str] = []  # tell the workers to forget these
         self._preempted_ids: list[str] = []  # ... and these, but keep their sampling state
         self.num_preemptions = 0
+        # Prefix-cache lookups of admitted prompts: tokens queried, found, found per group.
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.prefix_group_hit_tokens = [0] * len(coordinator.managers)
 
     # -- requests in and out ---------------------------------------------------------------
 
@@ -140,10 +144,17 @@ class Scheduler:
             request.kv.num_computed_tokens = hit.num_tokens
             if request.status is RequestStatus.WAITING:
                 request.num_cached_prompt_tokens = min(hit.num_tokens, request.num_prompt_tokens)
+                self._record_lookup(request, hit)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append((request, num_new, new_blocks))
             budget -= num_new
+
+    def _record_lookup(self, request: EngineRequest, hit) -> None:
+        self.prefix_queried_tokens += request.num_prompt_tokens
+        self.prefix_hit_tokens += request.num_cached_prompt_tokens
+        for group_id, num_tokens in enumerate(hit.group_num_tokens):
+            self.prefix_group_hit_tokens[group_id] += min(num_tokens, request.num_prompt_tokens)
 
     def _preempt(self, request: EngineRequest) -> None:
         """Give back every block; the request recomputes from its tokens when resumed."""

@@ -18,6 +18,15 @@ Two modes (``MambaSpec.mamba_cache_mode``):
   (e.g. schedule 100 prompt tokens as 96 + 4). A hit is the last cached aligned position,
   returned as ``[null] * i + [block]``.
 
+  With ``num_prefill_checkpoint_blocks = k > 0`` a step that crosses position boundaries
+  also checkpoints them: the (up to k) latest boundaries it crosses before its last position get
+  blocks of their own, and the worker writes the state at each boundary into the block of that
+  position (for the copy source, the block it copied from). Every non-null position whose
+  boundary is computed is then cached, so a long prefill leaves a state every ``block_size``
+  tokens, not only where it ended; such checkpoint blocks are freed (still cached) once
+  cached. A shared prefix then hits at its last state boundary even when the first request's
+  steps ended inside its own unique tokens.
+
 ``"all"`` (a state block per position, all kept) and speculative blocks in ``"align"`` mode are
 not supported yet and are refused at construction.
 """
@@ -48,6 +57,7 @@ class MambaManager(GroupManager):
         if self.mamba_cache_mode == "align" and self.num_speculative_blocks:
             raise ValueError("Speculative blocks are not supported with mamba_cache_mode 'align'.")
         self.is_align = self.mamba_cache_mode == "align"
+        self.num_checkpoints = self.spec.num_prefill_checkpoint_blocks if self.is_align else 0
         self.frees_blocks_early = self.is_align
         # align mode: table positions of previous state blocks, freed once the copy has run.
         self._pending_frees: dict[str, list[int]] = {}
@@ -80,7 +90,8 @@ class MambaManager(GroupManager):
         table = self.req_to_blocks.get(request_id)
         num_held = len(hit_blocks) if table is None else len(table)
         if self.is_align:
-            num_new = 1 if cdiv(num_tokens, self.block_size) > num_held else 0
+            num_positions = cdiv(num_tokens, self.block_size) - num_held
+            num_new = 1 + min(num_positions - 1, self.num_checkpoints) if num_positions > 0 else 0
         else:
             num_new = max(1 + self.num_speculative_blocks - num_held, 0)
         num_evictable = sum(1 for b in hit_blocks if b.ref_cnt == 0 and not b.is_null)
@@ -102,8 +113,15 @@ class MambaManager(GroupManager):
             # The current state block is this step's copy source; free it after the step.
             self._pending_frees.setdefault(request_id, []).append(len(table) - 1)
         num_before = len(table)
-        table.extend([self.null_block] * (num_required - 1 - num_before))
-        table.extend(self.block_pool.get_new_blocks(1))
+        num_between = num_required - 1 - num_before
+        num_checkpoints = min(num_between, self.num_checkpoints)
+        table.extend([self.null_block] * (num_between - num_checkpoints))
+        table.extend(self.block_pool.get_new_blocks(num_checkpoints + 1))
+        if num_checkpoints:
+            # Checkpoints only feed the prefix cache; free them once they are cached.
+            self._pending_frees.setdefault(request_id, []).extend(
+                range(num_required - 1 - num_checkpoints, num_required - 1)
+            )
         return table[num_before:]
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
@@ -111,21 +129,28 @@ class MambaManager(GroupManager):
         if not pending:
             return
         # Once a token past the old block's position is computed, the copy out of it has run.
-        current_index = cdiv(num_computed_tokens, self.block_size) - 1
+        limit = cdiv(num_computed_tokens, self.block_size) - 1
+        if self.num_checkpoints and self.enable_caching:
+            # A checkpointed state leaves only once it is in the prefix cache.
+            limit = min(limit, self.num_cached_blocks.get(request_id, 0))
         table = self.req_to_blocks[request_id]
-        removed = [table[index] for index in pending if index < current_index]
+        removed = [table[index] for index in pending if index < limit]
         if not removed:
             return
-        self._pending_frees[request_id] = [index for index in pending if index >= current_index]
+        self._pending_frees[request_id] = [index for index in pending if index >= limit]
         for index in pending:
-            if index < current_index:
+            if index < limit:
                 table[index] = self.null_block
         self.block_pool.free_blocks(removed)
 
     def cache_blocks(self, request: KVRequest, num_computed_tokens: int) -> None:
         """Cache the state block at position ``n // block_size - 1`` when ``n`` (the computed
-        tokens) ends exactly on its boundary; nothing else ever holds a cacheable state."""
+        tokens) ends exactly on its boundary; nothing else ever holds a cacheable state. With
+        checkpoints, every held position whose boundary is computed holds its state."""
         if not self.is_align or num_computed_tokens == 0:
+            return
+        if self.num_checkpoints:
+            super().cache_blocks(request, num_computed_tokens)
             return
         if num_computed_tokens % self.block_size:
             return
@@ -159,6 +184,8 @@ class MambaManager(GroupManager):
     def next_cache_tokens(self, request_id: str, num_computed_tokens: int) -> int:
         if not self.is_align:
             return NEVER
+        if self.num_checkpoints:
+            return super().next_cache_tokens(request_id, num_computed_tokens)
         return (num_computed_tokens // self.block_size + 1) * self.block_size
 
     def free(self, request_id: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from kvcore import CircularBufferSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
@@ -403,3 +404,43 @@ def test_benchmark_quick_run_prints_every_row(capsys):
         "c. allocate+free per block, 100000 blocks",
     ):
         assert row in output
+
+
+# ----- hybrid prefix hits with checkpointed recurrent state -----------------------------
+
+MAMBA_128 = MambaSpec(block_size=128, shapes=((4,),), dtypes=("float32",), mamba_cache_mode="align")
+CHECKPOINTED_128 = msgspec.structs.replace(MAMBA_128, num_prefill_checkpoint_blocks=4)
+SHARED = list(range(300))
+
+
+def shared_prefix_hit(mamba: MambaSpec, *chunk_ends: int):
+    """The hit of a request sharing 300 tokens with one computed before it (in chunks ending
+    at ``chunk_ends``, then at its 400-token prompt end)."""
+    coordinator = make_coordinator(
+        [FULL, mamba], num_blocks=80, scheduler_block_size=128, cache_hit_alignment=16
+    )
+    first = request("first", SHARED + [1000 + i for i in range(100)])
+    run_prefill(coordinator, first, *chunk_ends)
+    return coordinator.find_longest_cache_hit(
+        request("second", SHARED + [2000 + i for i in range(100)])
+    )
+
+
+def test_checkpointed_states_give_a_300_token_shared_prefix_its_last_state_boundary():
+    hit = shared_prefix_hit(CHECKPOINTED_128)
+    assert hit.num_tokens == 256
+    assert hit.group_num_tokens == (256, 256)  # hits end on the 128-token state grid
+
+
+def test_a_state_only_where_steps_end_misses_a_shared_prefix_and_says_which_group():
+    hit = shared_prefix_hit(MAMBA_128)  # the prompt in one step: no state on the grid
+    assert hit.num_tokens == 0
+    assert hit.group_num_tokens == (256, 0)
+
+
+def test_a_checkpoint_in_unique_tokens_does_not_cancel_the_shared_hit():
+    # The first request's step ends at 384, inside its own tokens: without checkpoints that
+    # is its only cached state and the second request gets nothing (vLLM issue 45238).
+    assert shared_prefix_hit(MAMBA_128, 384).num_tokens == 0
+    hit = shared_prefix_hit(CHECKPOINTED_128, 384)
+    assert (hit.num_tokens, hit.group_num_tokens) == (256, (256, 256))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+import msgspec
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -242,6 +243,12 @@ class CoordinatorMachine(RuleBasedStateMachine):
             table = manager.req_to_blocks[request.request_id]
             size = manager.block_size
             if isinstance(manager, MambaManager):
+                # Checkpointed boundaries the step crosses hold the state at the boundary.
+                for position in range(start // size, -(-end // size) - 1):
+                    boundary = (position + 1) * size
+                    if manager.num_checkpoints and start < boundary and not table[position].is_null:
+                        self.check_writable(table[position])
+                        self.contents[table[position].block_id] = request.token_ids[:boundary]
                 state_block = table[-(-end // size) - 1]
                 self.check_writable(state_block)
                 self.contents[state_block.block_id] = request.token_ids[:end]
@@ -264,7 +271,9 @@ class CoordinatorMachine(RuleBasedStateMachine):
             table = manager.req_to_blocks[request.request_id]
             held = [block for block in table if not block.is_null]
             if isinstance(manager, MambaManager):
-                assert 1 <= len(held) <= 2
+                # The current state, the previous step's copy source, and checkpoints that
+                # wait for the prefix cache (this step's and the last one's).
+                assert 1 <= len(held) <= 2 + 2 * manager.num_checkpoints
                 continue
             if not isinstance(manager, FullAttentionManager | SlidingWindowManager):
                 assert len(table) == 1
@@ -343,9 +352,19 @@ class FullMambaRingMachine(CoordinatorMachine):
     cache_hit_alignment = 4
 
 
+class FullCheckpointedMambaMachine(CoordinatorMachine):
+    # Steps cross up to two 8-token boundaries; one checkpoint each: the cap is exercised.
+    specs = (FULL, msgspec.structs.replace(MAMBA, num_prefill_checkpoint_blocks=1))
+    num_blocks = 32
+    scheduler_block_size = 8
+    cache_hit_alignment = 4
+
+
 TestFullOnly = FullOnlyMachine.TestCase
 TestFullOnly.settings = SETTINGS
 TestFullAndSlidingWindow = FullAndSlidingWindowMachine.TestCase
 TestFullAndSlidingWindow.settings = SETTINGS
 TestFullMambaRing = FullMambaRingMachine.TestCase
 TestFullMambaRing.settings = SETTINGS
+TestFullCheckpointedMamba = FullCheckpointedMambaMachine.TestCase
+TestFullCheckpointedMamba.settings = SETTINGS

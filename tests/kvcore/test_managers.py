@@ -326,6 +326,50 @@ def test_mamba_align_pads_nulls_when_a_step_jumps_several_positions():
     assert table_ids(manager, "a") == [0, 0, 0, 0, 2]
 
 
+def test_mamba_align_checkpoints_every_boundary_a_step_crosses():
+    manager = manager_for(mamba(16, "align", num_prefill_checkpoint_blocks=8))
+    request = KVRequest("a", prompt(100), hash_block_size=16)
+    assert manager.num_blocks_to_allocate("a", 70, (), 0) == 5
+    assert ids(admit(manager, request, 70)) == [1, 2, 3, 4, 5]  # states at 16, 32, 48, 64, 70
+    manager.remove_skipped_blocks("a", 70)  # nothing is cached yet: every checkpoint stays
+    assert table_ids(manager, "a") == [1, 2, 3, 4, 5]
+    manager.cache_blocks(request, 70)
+    assert [manager.block_pool.blocks[i].hash_num_tokens for i in (1, 2, 3, 4)] == [16, 32, 48, 64]
+    assert manager.block_pool.blocks[5].block_hash is None  # 70 is inside position 4
+    manager.remove_skipped_blocks("a", 70)
+    assert table_ids(manager, "a") == [0, 0, 0, 0, 5]
+    assert manager.block_pool.num_free_blocks == 31 - 1  # the freed checkpoints stay cached
+    # A later step crossing 80 writes the state at 80 into block 5 (its copy source) first.
+    assert manager.num_blocks_to_allocate("a", 90, (), 70) == 1
+    assert ids(manager.allocate_new_blocks("a", 90)) == [6]
+    manager.cache_blocks(request, 90)
+    assert manager.block_pool.blocks[5].hash_num_tokens == 80
+    (found,), num_tokens = manager.find_longest_cache_hit(request.block_hashes, 99, [0])
+    assert (ids(found), num_tokens) == ([0, 0, 0, 0, 5], 80)
+    (found,), num_tokens = manager.find_longest_cache_hit(request.block_hashes, 40, [0])
+    assert (ids(found), num_tokens) == ([0, 2], 32)
+
+
+def test_mamba_align_checkpoints_are_capped_to_the_latest_boundaries():
+    manager = manager_for(mamba(16, "align", num_prefill_checkpoint_blocks=2))
+    request = KVRequest("a", prompt(100), hash_block_size=16)
+    assert manager.num_blocks_to_allocate("a", 80, (), 0) == 3
+    assert ids(admit(manager, request, 80)) == [0, 0, 1, 2, 3]
+
+
+def test_mamba_align_checkpoints_wait_for_the_cache_before_leaving():
+    # Asynchronous scheduling allocates the next step before the last one's result arrives.
+    manager = manager_for(mamba(16, "align", num_prefill_checkpoint_blocks=4))
+    request = KVRequest("a", prompt(100), hash_block_size=16)
+    admit(manager, request, 40)
+    manager.remove_skipped_blocks("a", 40)
+    assert manager.next_skip_tokens("a", 40) <= 40  # still due: looked at again next step
+    assert table_ids(manager, "a") == [1, 2, 3]
+    manager.cache_blocks(request, 40)
+    manager.remove_skipped_blocks("a", 40)
+    assert table_ids(manager, "a") == [0, 0, 3]
+
+
 def test_mamba_align_first_allocation_from_a_hit_copies_the_hit_state():
     manager = manager_for(mamba(16, "align"))
     seed = KVRequest("seed", prompt(64), hash_block_size=16)

@@ -21,6 +21,7 @@ class DriverRequest:
     sampling: SamplingParams
     max_tokens: int
     block_ids: list[list[int]]
+    num_prompt_tokens: int
     num_computed: int = 0
     num_output: int = 0
     is_new: bool = True
@@ -32,6 +33,11 @@ class StepDriver:
         self.execute = execute  # StepPlan -> StepResult (one rank, or all ranks)
         self.next_block = 1  # block 0 is the null block
         self.block_sizes = [g.kv_cache_spec.block_size for g in config.kv_cache_groups]
+        # A Mamba group without prefix caching holds one state block per request.
+        self.max_blocks = [
+            g.kv_cache_spec.max_num_blocks_per_req(config.max_model_len)
+            for g in config.kv_cache_groups
+        ]
         self.finished: dict[str, DriverRequest] = {}
 
     def prefix_hit(self, earlier_id: str, prompt: list[int]) -> tuple[list[list[int]], int]:
@@ -55,7 +61,8 @@ class StepDriver:
     def _grow(self, request: DriverRequest, num_tokens: int) -> list[list[int]]:
         added = []
         for group, size in enumerate(self.block_sizes):
-            needed = -(-num_tokens // size) - len(request.block_ids[group])
+            needed = min(-(-num_tokens // size), self.max_blocks[group])
+            needed -= len(request.block_ids[group])
             new = list(range(self.next_block, self.next_block + max(needed, 0)))
             self.next_block += len(new)
             if self.next_block > self.config.num_blocks:
@@ -71,12 +78,16 @@ class StepDriver:
         chunk: int = 10_000,
         sampling: SamplingParams | None = None,
         prefix_from=None,
+        preempt_after: dict[str, int] | None = None,
     ) -> dict[str, list[int]]:
         """Run ``(request_id, prompt, max_tokens)`` requests together to completion.
 
         ``prefix_from`` maps a request id to ``(block_ids_per_group, num_tokens)`` of cached
-        blocks it may reuse (a prefix-cache hit).
+        blocks it may reuse (a prefix-cache hit). ``preempt_after`` maps a request id to a
+        number of outputs after which it is preempted once: it comes back as a new request
+        that recomputes its prompt and outputs, in the same (stale) blocks.
         """
+        preempt_after = dict(preempt_after or {})
         sampling = sampling or SamplingParams(temperature=0.0, max_tokens=1)
         live = []
         for request_id, prompt, max_tokens in requests:
@@ -90,6 +101,7 @@ class StepDriver:
                     sampling,
                     max_tokens,
                     [list(b) for b in hit_blocks],
+                    num_prompt_tokens=len(prompt),
                     num_computed=hit_tokens,
                 )
             )
@@ -108,6 +120,7 @@ class StepDriver:
                             block_ids=[list(b) for b in r.block_ids],
                             num_computed_tokens=r.num_computed,
                             num_new_tokens=todo,
+                            num_prompt_tokens=r.num_prompt_tokens,
                         )
                     )
                     r.is_new = False
@@ -127,9 +140,15 @@ class StepDriver:
                 if r.request_id in result.sampled:
                     token = result.sampled[r.request_id]
                     r.token_ids.append(token)
+                    r.num_output += 1
                     outputs[r.request_id].append(token)
                     if len(outputs[r.request_id]) >= r.max_tokens:
                         finished.append(r)
+            for r in live:
+                if r not in finished and preempt_after.get(r.request_id) == r.num_output:
+                    del preempt_after[r.request_id]
+                    self.execute(StepPlan(preempted_ids=[r.request_id]))
+                    r.is_new, r.num_computed = True, 0
             for r in finished:
                 live.remove(r)
                 self.finished[r.request_id] = r

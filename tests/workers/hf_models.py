@@ -78,3 +78,46 @@ def reference_generations(model_dir: Path, prompts=PROMPTS, num_tokens=NUM_OUTPU
             )
             outputs.append(generated[0, len(prompt) :].tolist())
     return outputs
+
+
+# A tiny NemotronH: Mamba-2 (M), attention (*) and MLP (-) layers. chunk_size 8 puts several
+# SSD chunks in every prompt.
+NEMOTRON_H = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    mamba_num_heads=8,
+    mamba_head_dim=8,
+    ssm_state_size=16,
+    conv_kernel=4,
+    chunk_size=8,
+    initializer_range=0.5,
+    rescale_prenorm_residual=False,  # full-size out_proj weights: tokens vary more
+    max_position_embeddings=512,
+)
+
+
+def save_nemotron_h(directory: Path, layers, n_groups: int, **overrides) -> Path:
+    """``layers``: a pattern string (saved as the legacy ``hybrid_override_pattern``) or a
+    ``layers_block_type`` list."""
+    import json
+
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    pattern = layers if isinstance(layers, str) else NemotronHConfig._list_to_pattern(layers)
+    config = NemotronHConfig(
+        **NEMOTRON_H, n_groups=n_groups, hybrid_override_pattern=pattern, **overrides
+    )
+    torch.manual_seed(0)
+    NemotronHForCausalLM(config).eval().save_pretrained(directory)
+    if isinstance(layers, str):  # write the legacy form, as older checkpoints do
+        path = directory / "config.json"
+        raw = json.loads(path.read_text())
+        del raw["layers_block_type"]
+        raw["hybrid_override_pattern"] = layers
+        raw["num_hidden_layers"] = len(layers)
+        path.write_text(json.dumps(raw))
+    return directory

@@ -26,7 +26,7 @@ def test_kernel_block_split_matches_transformers(tmp_path):
     worker.load_model()
     batch = [[(f"r{i}", p, 12, None) for i, p in enumerate(PROMPTS)]]
     outputs = run_requests(worker, "LBNHC", batch, chunk=5)
-    some_layer = next(iter(worker.model.attention_layers().values()))
+    some_layer = next(iter(worker.model.kv_cache_layers().values()))
     assert some_layer.kv_cache.shape[2] == 2  # views split into 2-token kernel blocks
     expected = reference_generations(model_dir, PROMPTS, 12)
     assert [outputs[f"r{i}"] for i in range(len(PROMPTS))] == expected

@@ -135,7 +135,7 @@ def test_the_worker_profiles_through_the_serving_backend_and_sizes_from_the_prob
     assert len(worker.backend.caches) == num_layers  # one step, every layer, paged
     assert all(cache is not None and cache.dim() == 4 for cache in worker.backend.caches)
     assert sampled_rows == [6]  # max_num_seqs rows of logits went through the sampler
-    assert all(layer.kv_cache is None for layer in worker.model.attention_layers().values())
+    assert all(layer.kv_cache is None for layer in worker.model.kv_cache_layers().values())
 
     # The real cache binds afterwards and serves as usual.
     plan = get_kv_cache_config(

@@ -108,6 +108,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         shape = (self.output_size_per_rank, hidden_size)
         self.weight = _param(shape, dtype, self.weight_loader)
         self.bias = _param(shape[:1], dtype, self.weight_loader) if bias else None
+        self.packed_weight = None  # see pack_for_cpu (only fp32 weights are packed)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         tp = get_tp_group()

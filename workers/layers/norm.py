@@ -8,9 +8,15 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype):
+    """``scale_in_float32``: multiply by the weight before casting back (NemotronH), not after
+    (Llama); the two differ only below float32."""
+
+    def __init__(
+        self, hidden_size: int, eps: float, *, dtype: torch.dtype, scale_in_float32: bool = False
+    ):
         super().__init__()
         self.eps = eps
+        self.scale_in_float32 = scale_in_float32
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -19,4 +25,6 @@ class RMSNorm(nn.Module):
         input_dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.scale_in_float32:
+            return (self.weight.float() * x32).to(input_dtype)
         return self.weight * x32.to(input_dtype)

@@ -11,6 +11,10 @@ def model_class_for(config: ModelConfig):
             f"Unsupported architecture {config.architecture!r}. Supported architectures: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    from workers.models.llama import LlamaForCausalLM  # every supported family shares it
+    if config.architecture == "NemotronHForCausalLM":
+        from workers.models.nemotron_h import NemotronHForCausalLM
+
+        return NemotronHForCausalLM
+    from workers.models.llama import LlamaForCausalLM  # every other family shares it
 
     return LlamaForCausalLM

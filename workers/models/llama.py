@@ -161,7 +161,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden).float()  # [R, vocab]
 
-    def attention_layers(self) -> dict[str, Attention]:
+    def kv_cache_layers(self) -> dict[str, Attention]:
+        """Every layer bound to a KV-cache view, by the name its spec carries."""
         return {
             layer.self_attn.attn.layer_name: layer.self_attn.attn for layer in self.model.layers
         }

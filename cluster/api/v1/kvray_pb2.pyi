@@ -125,19 +125,21 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KVCacheGroup(_message.Message):
-    __slots__ = ("layer_names", "spec_type", "block_size", "page_size_bytes")
+    __slots__ = ("layer_names", "spec_type", "block_size", "page_size_bytes", "prefix_cache_group_hit_tokens")
     LAYER_NAMES_FIELD_NUMBER: _ClassVar[int]
     SPEC_TYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_GROUP_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     layer_names: _containers.RepeatedScalarFieldContainer[str]
     spec_type: str
     block_size: int
     page_size_bytes: int
-    def __init__(self, layer_names: _Optional[_Iterable[str]] = ..., spec_type: _Optional[str] = ..., block_size: _Optional[int] = ..., page_size_bytes: _Optional[int] = ...) -> None: ...
+    prefix_cache_group_hit_tokens: int
+    def __init__(self, layer_names: _Optional[_Iterable[str]] = ..., spec_type: _Optional[str] = ..., block_size: _Optional[int] = ..., page_size_bytes: _Optional[int] = ..., prefix_cache_group_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model", "tensor_parallel_size", "kv_cache_layout", "scheduler_block_size", "hash_block_size", "groups", "num_blocks", "num_free_blocks", "capacity_tokens", "max_model_len", "max_concurrency", "attention_backend", "num_running_requests", "num_waiting_requests", "kv_memory_waste", "step_overhead_median_ms", "step_overhead_p99_ms", "num_steps", "vocab_size")
+    __slots__ = ("model", "tensor_parallel_size", "kv_cache_layout", "scheduler_block_size", "hash_block_size", "groups", "num_blocks", "num_free_blocks", "capacity_tokens", "max_model_len", "max_concurrency", "attention_backend", "num_running_requests", "num_waiting_requests", "kv_memory_waste", "step_overhead_median_ms", "step_overhead_p99_ms", "num_steps", "vocab_size", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +159,8 @@ class ServerInfo(_message.Message):
     STEP_OVERHEAD_P99_MS_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     tensor_parallel_size: int
     kv_cache_layout: str
@@ -176,4 +180,6 @@ class ServerInfo(_message.Message):
     step_overhead_p99_ms: float
     num_steps: int
     vocab_size: int
-    def __init__(self, model: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., kv_cache_layout: _Optional[str] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_concurrency: _Optional[float] = ..., attention_backend: _Optional[str] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_memory_waste: _Optional[float] = ..., step_overhead_median_ms: _Optional[float] = ..., step_overhead_p99_ms: _Optional[float] = ..., num_steps: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    def __init__(self, model: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., kv_cache_layout: _Optional[str] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_concurrency: _Optional[float] = ..., attention_backend: _Optional[str] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_memory_waste: _Optional[float] = ..., step_overhead_median_ms: _Optional[float] = ..., step_overhead_p99_ms: _Optional[float] = ..., num_steps: _Optional[int] = ..., vocab_size: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,73 @@
+"""A Mamba-2 hybrid (NemotronH checkpoint directory) through the ``kvray`` command: the plan
+shows its state groups and what keeping states costs; ``generate`` prints transformers' tokens
+as JSON; ``serve`` at TP 2 answers the client with them and hits its prefix cache."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from cluster.client import Client
+from tests.cluster.test_cli import SMALL, run, start_serving
+from tests.workers.hf_models import reference_generations, save_nemotron_h
+
+# No pad (0), BOS (1) or EOS (2) ids, and a greedy continuation without EOS in it.
+PROMPT = [3 + (7 * i + 1) % 297 for i in range(150)]
+NUM_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_nemotron_h(tmp_path_factory.mktemp("nemotron_h"), "M*-M-", 2)
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    (tokens,) = reference_generations(model_dir, [PROMPT], NUM_TOKENS)
+    return tokens
+
+
+def test_plan_shows_the_state_groups_and_their_interval(model_dir):
+    result = run("plan", "--model", str(model_dir), "--kv-cache-memory", "8MiB")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "(NemotronHForCausalLM), TP 1, 5 layers" in out
+    assert out.count("MambaSpec: 1 layers, block 128 tokens") == 2  # one group per layer
+    assert "mamba states: one kept every 128 tokens for prefix caching" in out
+    assert "BHLNC: cannot express this model" in out
+
+
+def test_generate_prints_transformers_tokens_as_json(model_dir, expected):
+    result = run(
+        "generate",
+        "--model",
+        str(model_dir),
+        "--prompt-token-ids",
+        ",".join(map(str, PROMPT)),
+        "--max-tokens",
+        str(NUM_TOKENS),
+        "--temperature",
+        "0",
+        "--output",
+        "json",
+        *SMALL,
+    )
+    assert result.returncode == 0, result.stderr
+    completion = json.loads(result.stdout)
+    assert completion["token_ids"] == expected
+    assert completion["usage"]["prompt_tokens"] == len(PROMPT)
+
+
+def test_serve_at_tp2_answers_and_reuses_the_states_of_a_repeated_prompt(model_dir, expected):
+    server, address, _, seen = start_serving("--model", str(model_dir), "-tp", "2")
+    try:
+        with Client(address, timeout=120) as client:
+            first = client.generate(PROMPT, max_tokens=NUM_TOKENS, temperature=0)
+            again = client.generate(PROMPT, max_tokens=NUM_TOKENS, temperature=0)
+        assert first.token_ids == again.token_ids == expected
+        assert (first.usage.cached_prompt_tokens, again.usage.cached_prompt_tokens) == (0, 128)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=120) == 0, "".join(seen)

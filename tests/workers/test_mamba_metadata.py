@@ -1,0 +1,54 @@
+"""The per-step metadata of a Mamba group: who decodes, who prefills, where their tokens are,
+and which dt floor each prefill token gets."""
+
+from __future__ import annotations
+
+import torch
+
+from workers.mamba_metadata import build_mamba_metadata, state_slots
+
+
+def ints(tensor):
+    return None if tensor is None else tensor.tolist()
+
+
+def test_decodes_and_prefills_are_split_by_kind():
+    # r0 decodes an output; r1 prefills a lone prompt token; r2 its first chunk; r3 decodes.
+    meta = build_mamba_metadata(
+        query_lens=[1, 1, 4, 1],
+        num_computed=[9, 5, 0, 3],
+        num_prompt_tokens=[6, 6, 10, 2],
+        slots=[11, 12, 13, 14],
+    )
+    assert ints(meta.decode.token_index) == [0, 6]
+    assert ints(meta.decode.state_indices) == [11, 14]
+    assert ints(meta.prefill.token_index) == [1, 2, 3, 4, 5]
+    assert ints(meta.prefill.query_start_loc) == [0, 1, 5]
+    assert ints(meta.prefill.has_initial_state) == [True, False]
+    assert ints(meta.prefill.start_positions) == [5, 0]
+    assert meta.prefill_ssd_passes == (meta.prefill,)
+
+
+def test_one_kind_uses_every_token_in_order():
+    meta = build_mamba_metadata([3, 2], [0, 4], [3, 9], [1, 2])
+    assert meta.decode is None and meta.prefill.token_index is None
+    meta = build_mamba_metadata([1, 1], [7, 4], [3, 2], [1, 2])
+    assert meta.prefill is None and meta.decode.token_index is None
+
+
+def test_recomputed_outputs_scan_in_a_second_pass_without_the_dt_floor():
+    # A preempted request recomputes 3 prompt tokens and 2 outputs; another only outputs.
+    meta = build_mamba_metadata([5, 3], [5, 12], [8, 10], [7, 8])
+    prompt, rest = meta.prefill_ssd_passes
+    assert prompt.is_prompt and not rest.is_prompt
+    assert ints(prompt.token_index) == [0, 1, 2]
+    assert ints(prompt.state_indices) == [7]
+    assert ints(rest.token_index) == [3, 4, 5, 6, 7]
+    assert ints(rest.query_start_loc) == [0, 2, 5]
+    assert ints(rest.has_initial_state) == [True, True]
+    assert ints(rest.start_positions) == [8, 12]
+    assert ints(meta.prefill.token_index) is None  # the conv runs over whole chunks
+
+
+def test_state_slot_is_the_first_block_of_the_group():
+    assert state_slots(torch.tensor([[5, 0], [9, 0]], dtype=torch.int32)) == [5, 9]

@@ -1,0 +1,173 @@
+"""Per-step metadata of a Mamba KV-cache group: which requests decode and which prefill, where
+their tokens sit in the step's batch, and which state slot each one reads and writes.
+
+A request decodes (the one-token kernels) when it computes exactly one generated token; every
+other request prefills (the varlen kernels), a lone prompt token included, because transformers
+runs every prompt token through its chunked scan and floors dt there (``MambaConfig.dt_min``),
+but not in its recurrent step. A prefill chunk that holds generated tokens (a preempted
+request recomputing its outputs) is scanned in two passes, prompt part then the rest, so each
+token gets the dt floor transformers gave it; the second pass starts from the first's state.
+
+The state slot is a block id of the group's block table. With ``mamba_cache_mode="none"`` a
+request holds one block for its life and that block is its slot (``state_slots``). With prefix
+caching ("align" mode, ``plan_align_states``) table position i holds the state after
+``(i + 1) * interval`` tokens: a step reads the state of its first token's position, copies it
+into the block of its last token's position when that is another block (the copy runs on the
+worker before the forward), and checkpoints every position boundary it crosses on the way
+into that position's block, so each becomes a prefix-cache entry (``kvcore.managers.mamba``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+HOST = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class MambaBatch:
+    """Requests of one kind in a step, in batch order."""
+
+    token_index: torch.Tensor | None  # [T_b] int64 rows of the step's tokens; None: all, in order
+    query_start_loc: torch.Tensor  # [R_b + 1] int32, over this batch's tokens
+    state_indices: torch.Tensor  # [R_b] int32: each request's state slot (a block id)
+    has_initial_state: torch.Tensor  # [R_b] bool: False reads zeros, not the slot
+    start_positions: torch.Tensor  # [R_b] int32: each request's tokens computed before these
+    is_prompt: bool = True  # (SSD passes) the tokens are prompt tokens: dt is floored
+    # [M, 3] int32 (request in this batch, tokens of it consumed, slot): states to save on the
+    # way; None: none.
+    checkpoints: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class MambaMetadata:
+    decode: MambaBatch | None  # one generated token per request
+    prefill: MambaBatch | None  # whole chunks: the conv, and the scan when one pass suffices
+    prefill_ssd_passes: tuple[MambaBatch, ...]  # the scan: prompt tokens, then generated ones
+    chunk_size: int | None = None  # the scan's chunk; None: the model's
+
+
+@dataclass(frozen=True)
+class AlignPlan:
+    """Where each request's state goes in one step of an "align"-mode group (batch order)."""
+
+    slots: list[int]  # the block the step reads and writes: its last token's position
+    copies: tuple[list[int], list[int]]  # (from, to) blocks, copied before the forward
+    checkpoints: list[list[tuple[int, int]]]  # per request: (tokens consumed, block)
+
+
+def state_slots(block_table: torch.Tensor) -> list[int]:
+    """Each request's state slot from its row of the group's block table (``[R, width]``):
+    in mode "none" the one block a request holds."""
+    return block_table[:, 0].tolist()
+
+
+def plan_align_states(
+    rows: list[list[int]],
+    num_computed: Sequence[int],
+    query_lens: Sequence[int],
+    interval: int,
+) -> AlignPlan:
+    """Each request's slot, copy and checkpoints for a step, from its block-table row
+    (``rows``, block ids by position; 0 is the null block) with ``interval`` tokens per
+    position. A boundary crossed inside the step whose position holds no block (the manager
+    caps checkpoints per step) is not saved."""
+    plan = AlignPlan([], ([], []), [])
+    for row, done, count in zip(rows, num_computed, query_lens, strict=True):
+        end = done + count
+        last = -(-end // interval) - 1
+        slot = row[last]
+        plan.slots.append(slot)
+        if done > 0:
+            source = row[-(-done // interval) - 1]
+            if source != slot:
+                plan.copies[0].append(source)
+                plan.copies[1].append(slot)
+        saved = []
+        for position in range(done // interval, last):
+            boundary = (position + 1) * interval
+            if boundary > done and row[position]:
+                saved.append((boundary - done, row[position]))
+        plan.checkpoints.append(saved)
+    return plan
+
+
+def build_mamba_metadata(
+    query_lens: Sequence[int],
+    num_computed: Sequence[int],
+    num_prompt_tokens: Sequence[int],
+    slots: Sequence[int],
+    device: torch.device | str = "cpu",
+    checkpoints: Sequence[Sequence[tuple[int, int]]] | None = None,
+    chunk_size: int | None = None,
+) -> MambaMetadata:
+    """Metadata of one step; per request (batch order): new tokens, tokens computed before,
+    prompt length, state slot, and the states to checkpoint on the way as (tokens consumed,
+    slot) pairs (only prefills cross a boundary before their last token)."""
+    starts = [0]
+    for query_len in query_lens:
+        starts.append(starts[-1] + query_len)
+    is_decode = [
+        n == 1 and done >= prompt
+        for n, done, prompt in zip(query_lens, num_computed, num_prompt_tokens, strict=True)
+    ]
+    decodes = [i for i, flag in enumerate(is_decode) if flag]
+    prefills = [i for i, flag in enumerate(is_decode) if not flag]
+
+    def batch(requests: list[int], spans: list[tuple[int, int]], is_prompt: bool = True):
+        """``spans``: each request's (first token, count) in the step."""
+        rows = [row for first, count in spans for row in range(first, first + count)]
+        lens = [count for _, count in spans]
+        positions = [
+            num_computed[i] + first - starts[i]
+            for i, (first, _) in zip(requests, spans, strict=True)
+        ]
+        saved = []  # the checkpoints inside each span, counted from the span's start
+        for local, (i, (first, count)) in enumerate(zip(requests, spans, strict=True)):
+            skip = first - starts[i]
+            for consumed, slot in checkpoints[i] if checkpoints else ():
+                if skip < consumed <= skip + count:
+                    saved.append((local, consumed - skip, slot))
+        return MambaBatch(
+            # Disjoint, ascending spans that cover every token are the whole step, in order.
+            token_index=None if len(rows) == starts[-1] else _tensor(rows, torch.int64, device),
+            query_start_loc=_tensor([0, *_cumsum(lens)], torch.int32, device),
+            state_indices=_tensor([slots[i] for i in requests], torch.int32, device),
+            has_initial_state=_tensor([p > 0 for p in positions], torch.bool, device),
+            start_positions=_tensor(positions, torch.int32, device),
+            is_prompt=is_prompt,
+            checkpoints=_tensor(saved, torch.int32, device) if saved else None,
+        )
+
+    decode = batch(decodes, [(starts[i], 1) for i in decodes]) if decodes else None
+    if not prefills:
+        return MambaMetadata(decode, None, (), chunk_size)
+    prefill = batch(prefills, [(starts[i], query_lens[i]) for i in prefills])
+    prompt_counts = {
+        i: min(max(num_prompt_tokens[i] - num_computed[i], 0), query_lens[i]) for i in prefills
+    }
+    if all(prompt_counts[i] == query_lens[i] for i in prefills):
+        return MambaMetadata(decode, prefill, (prefill,), chunk_size)
+    passes = []
+    in_prompt = [i for i in prefills if prompt_counts[i] > 0]
+    if in_prompt:
+        passes.append(batch(in_prompt, [(starts[i], prompt_counts[i]) for i in in_prompt]))
+    rest = [i for i in prefills if prompt_counts[i] < query_lens[i]]
+    spans = [(starts[i] + prompt_counts[i], query_lens[i] - prompt_counts[i]) for i in rest]
+    passes.append(batch(rest, spans, is_prompt=False))
+    return MambaMetadata(decode, prefill, tuple(passes), chunk_size)
+
+
+def _cumsum(values: Sequence[int]) -> list[int]:
+    total, out = 0, []
+    for value in values:
+        total += value
+        out.append(total)
+    return out
+
+
+def _tensor(values, dtype: torch.dtype, device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=HOST).to(device, non_blocking=True)
