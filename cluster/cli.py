@@ -1,4 +1,4 @@
-"""The ``kvray`` command: ``serve``, ``generate`` and ``plan``.
+"""The ``kvray`` command: ``serve``, ``generate``, ``chat``, ``batch``, ``bench`` and ``plan``.
 
 Flags follow vLLM's names where the two overlap; every ``serve`` flag that has a ``KVRAY_*``
 variable takes its default from it (see ``cluster.env``).
@@ -221,14 +221,18 @@ def add_in_process_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def add_bench_parser(commands, common) -> None:
-    from cluster.bench.workload import parse_range
+    from cluster.bench.hybrid_checkpoint import DEFAULT_PATTERN
+    from cluster.bench.workload import parse_lengths, parse_range
 
-    bench = commands.add_parser("bench", help="measure throughput, latency, prefix caching")
+    bench = commands.add_parser(
+        "bench", help="measure throughput, latency, prefix caching, decode cost by context"
+    )
     modes = bench.add_subparsers(dest="mode", required=True)
-    shared = argparse.ArgumentParser(add_help=False, parents=[common])
+    reported = argparse.ArgumentParser(add_help=False, parents=[common])
+    reported.add_argument("--seed", type=int, default=0)
+    reported.add_argument("--output-json", default=None, help="also write the results here")
+    shared = argparse.ArgumentParser(add_help=False, parents=[reported])
     shared.add_argument("--num-prompts", type=int, default=64)
-    shared.add_argument("--seed", type=int, default=0)
-    shared.add_argument("--output-json", default=None, help="also write the results here")
 
     throughput = modes.add_parser(
         "throughput", parents=[shared], help="offline: all requests at once through an engine"
@@ -286,6 +290,45 @@ def add_bench_parser(commands, common) -> None:
     prefix.add_argument("--output-len", type=int, default=16)
     add_in_process_flag(prefix)
     add_engine_flags(prefix)
+
+    decode = modes.add_parser(
+        "decode",
+        parents=[reported],
+        help="the time of one decode step at each context length (one in-process worker)",
+    )
+    decode.add_argument(
+        "--context-lens",
+        type=parse_lengths,
+        default=[256, 4096],
+        help="comma-separated prompt lengths, one row each (default 256,4096)",
+    )
+    decode.add_argument(
+        "--batch-size", type=int, default=8, help="requests decoding together (default 8)"
+    )
+    decode.add_argument(
+        "--output-len", type=int, default=32, help="decode steps timed per row (default 32)"
+    )
+    decode.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=4,
+        help="decode steps run before the timed ones (default 4)",
+    )
+    add_engine_flags(decode)
+
+    make_hybrid = modes.add_parser(
+        "make-hybrid",
+        parents=[common],
+        help="write a random-weight ~18M-parameter NemotronH (Mamba-2 hybrid) checkpoint to "
+        "compare against embedded:20m (needs transformers)",
+    )
+    make_hybrid.add_argument("output_dir", help="a new or empty directory")
+    make_hybrid.add_argument(
+        "--pattern",
+        default=DEFAULT_PATTERN,
+        help=f"one letter a layer: M Mamba-2, * attention, - MLP (default {DEFAULT_PATTERN})",
+    )
+    make_hybrid.add_argument("--seed", type=int, default=0)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -170,6 +170,8 @@ def bench(args) -> int:
     from cluster.bench import modes
     from cluster.bench.report import format_table, write_json
 
+    if args.mode == "make-hybrid":
+        return modes.make_hybrid(args)
     if args.mode == "serve":
         rows = modes.serve(args)
     else:

@@ -1,2 +1,3 @@
 """``kvray bench``: throughput, serving latency and prefix caching, with the engine's own KV
-memory waste and step overhead, printed as a table and optionally written as JSON."""
+memory waste and step overhead, and a decode step's cost by context length, printed as a table
+and optionally written as JSON; ``make-hybrid`` writes the hybrid checkpoint they compare."""

@@ -1,13 +1,16 @@
-"""The three ``kvray bench`` modes. Each returns rows (dicts) for the report."""
+"""The ``kvray bench`` modes. Each measuring one returns rows (dicts) for the report;
+``make_hybrid`` writes the hybrid checkpoint the benchmarks compare."""
 
 from __future__ import annotations
 
 import asyncio
 from contextlib import contextmanager
+from pathlib import Path
 
 import msgspec
 import torch
 
+from cluster.bench.decode_cost import decode_cost
 from cluster.bench.measure import latency_summary, run_requests
 from cluster.bench.workload import random_requests, shared_prefix_requests
 from cluster.client import Client
@@ -160,3 +163,22 @@ def prefix(config: EngineConfig, args) -> list[dict]:
             }
         )
     return rows
+
+
+def decode(config: EngineConfig, args) -> list[dict]:
+    """The cost of one decode step at each context length (``cluster.bench.decode_cost``)."""
+    return decode_cost(config, args)
+
+
+def make_hybrid(args) -> int:
+    from cluster.bench.hybrid_checkpoint import save_hybrid_checkpoint
+
+    directory = Path(args.output_dir)
+    if directory.exists() and any(directory.iterdir()):
+        raise ValueError(f"{directory} is not empty: give a new or empty directory")
+    num_params = save_hybrid_checkpoint(directory, args.pattern, args.seed)
+    print(
+        f"NemotronH checkpoint, layers {args.pattern}, {num_params / 1e6:.1f}M parameters, "
+        f"random weights (seed {args.seed}): {directory}"
+    )
+    return 0

@@ -52,3 +52,11 @@ def parse_range(text: str) -> tuple[int, int]:
     if not 1 <= bounds[0] <= bounds[1]:
         raise ValueError(f"not a length range: {text!r} (use e.g. 32-256)")
     return bounds
+
+
+def parse_lengths(text: str) -> list[int]:
+    """``"256,4096"`` -> [256, 4096]."""
+    lengths = [int(part) for part in text.split(",") if part.strip()]
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"not a list of lengths: {text!r} (use e.g. 256,4096)")
+    return lengths

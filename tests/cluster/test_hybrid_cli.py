@@ -1,6 +1,7 @@
 """A Mamba-2 hybrid (NemotronH checkpoint directory) through the ``kvray`` command: the plan
 shows its state groups and what keeping states costs; ``generate`` prints transformers' tokens
-as JSON; ``serve`` at TP 2 answers the client with them and hits its prefix cache."""
+as JSON (in process; ``serve`` covers Ray); ``serve`` at TP 2 answers the client with them and
+hits its prefix cache."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def test_plan_shows_the_state_groups_and_their_interval(model_dir):
 def test_generate_prints_transformers_tokens_as_json(model_dir, expected):
     result = run(
         "generate",
+        "--in-process",
         "--model",
         str(model_dir),
         "--prompt-token-ids",

@@ -4,6 +4,9 @@ when the first request's steps ended in its own tokens, and the tokens stay tran
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from cluster.client import Client
@@ -78,3 +81,37 @@ def test_without_prefix_caching_nothing_is_cached_and_the_tokens_are_the_same(mo
     assert second.usage.cached_prompt_tokens == 0
     assert [first.token_ids, second.token_ids] == expected
     assert info["prefix_cache_hit_tokens"] == 0
+
+
+def test_preempted_and_aborted_requests_free_their_states_and_keep_their_tokens(model_dir):
+    """Four 100-token prompts asking for 60 tokens each, at once, in a pool of 36 blocks:
+    admitted together, they outgrow it, so some are preempted and recompute (resuming from
+    their own kept states where they can); their tokens are still transformers', an aborted
+    stream frees its blocks, and every block comes back."""
+    prompts = [tokens(100, 7 + 2 * i, i) for i in range(4)]
+    expected = reference_generations(model_dir, prompts, 60)
+    config = EngineConfig(
+        model=str(model_dir),
+        port=0,
+        kv_cache_memory_bytes=64 << 20,
+        num_gpu_blocks_override=36,
+        max_model_len=256,
+        max_num_batched_tokens=256,
+    )
+    with LocalServer(config) as server, Client(server.address, timeout=120) as client:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(
+                pool.map(lambda p: client.generate(p, max_tokens=60, temperature=0), prompts)
+            )
+        stream = client.stream(prompts[0], max_tokens=40, temperature=0, ignore_eos=True)
+        next(stream)
+        stream.close()  # the client goes away mid-stream: the server aborts the request
+        scheduler = server.engine.scheduler
+        assert scheduler.num_preemptions > 0
+        deadline = time.monotonic() + 30
+        while scheduler.running and time.monotonic() < deadline:
+            time.sleep(0.1)
+        info = client.info()
+    assert [r.token_ids for r in results] == expected
+    assert info["num_running_requests"] == 0
+    assert info["num_free_blocks"] == info["num_blocks"] - 1

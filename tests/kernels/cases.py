@@ -130,3 +130,19 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
         return float("inf")
     expected = expected.detach().cpu().double()
     return float((actual - expected).abs().max() / expected.abs().max())
+
+
+def strided_state(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A ``[S, ...]`` view into an int8 buffer, as kvcore's views are: slots two slots plus 16
+    bytes apart (another layer's state between them), starting 16 bytes in, and rows of the
+    last (contiguous) dim padded by 2 elements."""
+    *outer, rows, cols = shape
+    row_stride = cols + 2
+    inner = [row_stride * rows] if outer[1:] else []
+    slot_elems = (outer[1] if outer[1:] else 1) * row_stride * rows
+    pad = 16 // dtype.itemsize
+    slot_stride = 2 * slot_elems + pad
+    raw = torch.zeros((shape[0] * slot_stride + pad) * dtype.itemsize, dtype=torch.int8,
+                      device=DEVICE)  # fmt: skip
+    strides = (slot_stride, *inner, row_stride, 1)
+    return raw.view(dtype).as_strided(shape, strides, pad)

@@ -17,13 +17,14 @@ from kernels.mamba import (
     mamba_backend_names,
 )
 from tests.kernels.test_mamba_conv1d import make_batch as make_conv_batch
-from tests.kernels.test_mamba_conv1d import poison_new_outputs  # noqa: F401
 from tests.kernels.test_mamba_ssd import (
     NUM_SLOTS,
     assert_close,
     expected_prefill,
     make_batch,
 )
+
+pytestmark = pytest.mark.usefixtures("poison_new_outputs")
 
 
 def test_registry():

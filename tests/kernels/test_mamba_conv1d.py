@@ -16,41 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels.mamba import get_mamba_backend
-from tests.kernels.cases import DEVICE
+from tests.kernels.cases import DEVICE, strided_state
 
 BACKENDS = ("torch", "triton")
 NUM_SLOTS = 12
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-@pytest.fixture(autouse=True)
-def poison_new_outputs(monkeypatch):
-    """Every float tensor a backend allocates with ``torch.empty_like`` (its outputs) starts as
-    NaN, so a row a kernel leaves unwritten fails even where the allocator hands back memory
-    that holds the last run's (correct) result."""
-    empty_like = torch.empty_like
-
-    def poisoned(*args, **kwargs):
-        out = empty_like(*args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
-
-    monkeypatch.setattr(torch, "empty_like", poisoned)
-
-
-def strided_state(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A ``[S, ...]`` view into an int8 buffer, as kvcore's views are: slots two slots plus 16
-    bytes apart (another layer's state between them), starting 16 bytes in, and rows of the
-    last (contiguous) dim padded by 2 elements."""
-    *outer, rows, cols = shape
-    row_stride = cols + 2
-    inner = [row_stride * rows] if outer[1:] else []
-    slot_elems = (outer[1] if outer[1:] else 1) * row_stride * rows
-    pad = 16 // dtype.itemsize
-    slot_stride = 2 * slot_elems + pad
-    raw = torch.zeros((shape[0] * slot_stride + pad) * dtype.itemsize, dtype=torch.int8,
-                      device=DEVICE)  # fmt: skip
-    strides = (slot_stride, *inner, row_stride, 1)
-    return raw.view(dtype).as_strided(shape, strides, pad)
+pytestmark = pytest.mark.usefixtures("poison_new_outputs")
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Every Mamba kernel the backends launch compiles to a cubin for sm_90 (and sm_80), and fits its
+"""Every Mamba kernel the backends launch compiles to a cubin for sm_90 and fits its
 shared memory.
 
 The same check as ``test_gpu_compile.py`` (read its docstring for why the interpreter is not
@@ -46,8 +46,11 @@ VARIANTS = {
     "ssd_decode bf16 state fp32": ["_state_update_kernel"],
     "ssd_decode bf16 state bf16": ["_state_update_kernel"],
 }  # fmt: skip
+# sm_90 only (the H200s kvray targets): the attention kernels' compile test covers sm_80 too,
+# and these kernels use nothing sm_80 lacks; each extra arch is ~15 s of CI.
+MAMBA_ARCHS = [arch for arch in ARCHS if arch == "sm_90"]
 JOBS = [(v, i, arch) for v, kernels in VARIANTS.items() for i in range(len(kernels))
-        for arch in ARCHS]  # fmt: skip
+        for arch in MAMBA_ARCHS]  # fmt: skip
 
 
 def job_name(job) -> str:
@@ -55,7 +58,7 @@ def job_name(job) -> str:
     return f"{arch} {variant} {VARIANTS[variant][index]}"
 
 
-def test_every_mamba_kernel_compiles_for_sm80_and_sm90(tmp_path):
+def test_every_mamba_kernel_compiles_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     code = "from tests.kernels.test_mamba_gpu_compile import compile_all; compile_all()"

@@ -17,12 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from kernels.mamba import get_mamba_backend
-from tests.kernels.cases import DEVICE
-from tests.kernels.test_mamba_conv1d import poison_new_outputs, strided_state  # noqa: F401
+from tests.kernels.cases import DEVICE, strided_state
 
 BACKENDS = ("torch", "triton")
 NUM_SLOTS = 24
 TOLERANCES = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+pytestmark = pytest.mark.usefixtures("poison_new_outputs")
 
 # A token; 3 new tokens mid-chunk; 9 and 17 (no multiple of 4 or 16); 40, several chunks.
 QUERY_LENS = [1, 3, 9, 17, 2, 40]

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from cluster.config import EngineConfig
 from kvcore import FullAttentionSpec, MambaSpec
-from workers.kv_specs import global_kv_cache_specs, rank_kv_cache_specs
+from workers.kv_specs import StateCaching, global_kv_cache_specs, rank_kv_cache_specs
 from workers.model_config import UnsupportedModelError, parse_hf_config
 
 RAW = {
@@ -90,3 +91,21 @@ def test_unserved_activations_and_cache_dtypes_are_refused():
         config(mlp_hidden_act="silu")
     with pytest.raises(UnsupportedModelError, match="mamba_ssm_cache_dtype 'int8'"):
         config(mamba_ssm_cache_dtype="int8")
+
+
+def test_with_state_caching_a_state_is_kept_every_interval_with_room_for_a_steps_checkpoints():
+    caching = StateCaching(interval=128, max_num_batched_tokens=2048)
+    spec = global_kv_cache_specs(config(), block_size=16, state_caching=caching)[
+        "model.layers.0.mixer"
+    ]
+    assert (spec.block_size, spec.mamba_cache_mode) == (128, "align")
+    assert spec.num_prefill_checkpoint_blocks == 16  # a 2048-token step crosses 16 boundaries
+    # The current state, its copy source and a step's checkpoints.
+    assert spec.max_memory_usage_bytes(4096, 2048) == 18 * spec.page_size_bytes
+
+
+def test_a_state_interval_off_the_block_grid_is_refused():
+    assert EngineConfig(mamba_state_interval=64).state_caching() == StateCaching(64, 2048)
+    assert EngineConfig(enable_prefix_caching=False).state_caching() is None
+    with pytest.raises(ValueError, match="mamba_state_interval"):
+        EngineConfig(mamba_state_interval=100)  # not a multiple of the 16-token block
