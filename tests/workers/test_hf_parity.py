@@ -42,10 +42,15 @@ def models(tmp_path_factory):
     return get
 
 
-def batches():
-    first = [(f"r{i}", p, NUM_OUTPUT_TOKENS, None) for i, p in enumerate(PROMPTS)]
-    second = [(rid, p, NUM_OUTPUT_TOKENS, src) for rid, (src, p) in HIT_PROMPTS.items()]
+def batches(num_tokens: int = NUM_OUTPUT_TOKENS):
+    first = [(f"r{i}", p, num_tokens, None) for i, p in enumerate(PROMPTS)]
+    second = [(rid, p, num_tokens, src) for rid, (src, p) in HIT_PROMPTS.items()]
     return [first, second]
+
+
+# The Triton interpreter is slow: its cases compare the first tokens (greedy outputs are
+# prefixes of longer ones), still past every prompt's first blocks and the sliding window.
+TRITON_TOKENS = 12
 
 
 CASES = [
@@ -75,7 +80,8 @@ def test_greedy_tokens_match_transformers(models, family, backend, layout, tp, c
         kv_cache_memory_bytes=KV_CACHE_MEMORY,
     )
     run = run_in_process if tp == 1 else run_tensor_parallel
-    outputs = run(options, layout, batches(), chunk=chunk)
-    assert outputs == expected
+    num_tokens = TRITON_TOKENS if backend == "triton" else NUM_OUTPUT_TOKENS
+    outputs = run(options, layout, batches(num_tokens), chunk=chunk)
+    assert outputs == {rid: tokens[:num_tokens] for rid, tokens in expected.items()}
     # The model must not be trivially repetitive, or this comparison would prove little.
     assert all(len(set(tokens)) > 8 for tokens in expected.values())
