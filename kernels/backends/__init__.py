@@ -3,34 +3,31 @@ choosing ``torch`` never imports triton."""
 
 from __future__ import annotations
 
-import importlib
-
 from kernels.backends.base import (
     AttentionBackend,
     MultipleOf,
     UnknownAttentionBackendError,
     UnsupportedKVCacheError,
 )
+from kernels.registry import BackendRegistry
 
-_BACKENDS: dict[str, tuple[str, str]] = {
-    "torch": ("kernels.backends.torch_backend", "TorchAttentionBackend"),
-    "triton": ("kernels.backends.triton_backend", "TritonAttentionBackend"),
-}
+_REGISTRY = BackendRegistry(
+    "attention",
+    {
+        "torch": ("kernels.backends.torch_backend", "TorchAttentionBackend"),
+        "triton": ("kernels.backends.triton_backend", "TritonAttentionBackend"),
+    },
+    UnknownAttentionBackendError,
+)
 
 
 def attention_backend_names() -> list[str]:
-    return sorted(_BACKENDS)
+    return _REGISTRY.names()
 
 
 def get_attention_backend(name: str) -> AttentionBackend:
     """A new backend called ``name`` (case-insensitive), or an error listing the valid names."""
-    key = name.strip().lower() if isinstance(name, str) else name
-    if key not in _BACKENDS:
-        raise UnknownAttentionBackendError(
-            f"Unknown attention backend {name!r}. Valid backends: {attention_backend_names()}"
-        )
-    module_name, class_name = _BACKENDS[key]
-    return getattr(importlib.import_module(module_name), class_name)()
+    return _REGISTRY.get(name)
 
 
 __all__ = [

@@ -13,6 +13,7 @@ import torch
 from kernels.backends.base import AttentionBackend
 from kernels.metadata import AttentionMetadata
 from kernels.params import AttentionParams
+from kernels.registry import check_can_launch
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -25,7 +26,7 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> None:
-        check_can_launch(kv_cache.device)
+        check_can_launch(kv_cache.device, "attention")
         from kernels.cache_write import write_kv
 
         write_kv(key, value, kv_cache, metadata.slot_mapping)
@@ -38,21 +39,7 @@ class TritonAttentionBackend(AttentionBackend):
         params: AttentionParams,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        check_can_launch(kv_cache.device)
+        check_can_launch(kv_cache.device, "attention")
         from kernels.paged_attention import paged_attention
 
         return paged_attention(query, kv_cache, metadata, params, out)
-
-
-def check_can_launch(device: torch.device) -> None:
-    """Triton kernels run on CUDA tensors, or on CPU tensors under the interpreter."""
-    if device.type == "cuda":
-        return
-    from kernels.paged_attention import is_interpreted
-
-    if not is_interpreted():
-        raise RuntimeError(
-            f"The triton attention backend cannot run on {device.type} tensors: it needs a "
-            "CUDA GPU, or TRITON_INTERPRET=1 set before triton is first imported. Use the "
-            "torch backend on CPU-only workers."
-        )

@@ -7,29 +7,26 @@ Backends by name, as for attention: a backend's module is imported only when it 
 
 from __future__ import annotations
 
-import importlib
-
 from kernels.mamba.base import MambaBackend, UnknownMambaBackendError
+from kernels.registry import BackendRegistry
 
-_BACKENDS: dict[str, tuple[str, str]] = {
-    "torch": ("kernels.mamba.torch_backend", "TorchMambaBackend"),
-    "triton": ("kernels.mamba.triton_backend", "TritonMambaBackend"),
-}
+_REGISTRY = BackendRegistry(
+    "Mamba",
+    {
+        "torch": ("kernels.mamba.torch_backend", "TorchMambaBackend"),
+        "triton": ("kernels.mamba.triton_backend", "TritonMambaBackend"),
+    },
+    UnknownMambaBackendError,
+)
 
 
 def mamba_backend_names() -> list[str]:
-    return sorted(_BACKENDS)
+    return _REGISTRY.names()
 
 
 def get_mamba_backend(name: str) -> MambaBackend:
     """A new backend called ``name`` (case-insensitive), or an error listing the valid names."""
-    key = name.strip().lower() if isinstance(name, str) else name
-    if key not in _BACKENDS:
-        raise UnknownMambaBackendError(
-            f"Unknown Mamba backend {name!r}. Valid backends: {mamba_backend_names()}"
-        )
-    module_name, class_name = _BACKENDS[key]
-    return getattr(importlib.import_module(module_name), class_name)()
+    return _REGISTRY.get(name)
 
 
 __all__ = ["MambaBackend", "UnknownMambaBackendError", "get_mamba_backend", "mamba_backend_names"]

@@ -6,9 +6,8 @@ where a missing GPU is refused.
 
 from __future__ import annotations
 
-import torch
-
 from kernels.mamba.base import MambaBackend
+from kernels.registry import check_can_launch
 
 
 class TritonMambaBackend(MambaBackend):
@@ -16,7 +15,7 @@ class TritonMambaBackend(MambaBackend):
 
     def conv1d_prefill(self, x, weight, bias, conv_state, state_indices, has_initial_state,
                        query_start_loc, checkpoints=None):  # fmt: skip
-        check_can_launch(x.device)
+        check_can_launch(x.device, "Mamba")
         from kernels.mamba.triton_conv1d import conv1d_prefill
 
         return conv1d_prefill(
@@ -25,7 +24,7 @@ class TritonMambaBackend(MambaBackend):
         )  # fmt: skip
 
     def conv1d_decode(self, x, weight, bias, conv_state, state_indices):
-        check_can_launch(x.device)
+        check_can_launch(x.device, "Mamba")
         from kernels.mamba.triton_conv1d import conv1d_decode
 
         return conv1d_decode(x, weight, bias, conv_state, state_indices)
@@ -33,7 +32,7 @@ class TritonMambaBackend(MambaBackend):
     def ssd_prefill(self, x, dt, A, B, C, D, dt_bias, ssm_state, state_indices,
                     has_initial_state, query_start_loc, chunk_size, dt_min=0.0,
                     start_positions=None, checkpoints=None):  # fmt: skip
-        check_can_launch(x.device)
+        check_can_launch(x.device, "Mamba")
         from kernels.mamba.triton_ssd import ssd_prefill
 
         return ssd_prefill(
@@ -42,21 +41,7 @@ class TritonMambaBackend(MambaBackend):
         )  # fmt: skip
 
     def ssd_decode(self, x, dt, A, B, C, D, dt_bias, ssm_state, state_indices, dt_min=0.0):
-        check_can_launch(x.device)
+        check_can_launch(x.device, "Mamba")
         from kernels.mamba.triton_state_update import ssd_decode
 
         return ssd_decode(x, dt, A, B, C, D, dt_bias, ssm_state, state_indices, dt_min)
-
-
-def check_can_launch(device: torch.device) -> None:
-    """Triton kernels run on CUDA tensors, or on CPU tensors under the interpreter."""
-    if device.type == "cuda":
-        return
-    from kernels.paged_attention import is_interpreted
-
-    if not is_interpreted():
-        raise RuntimeError(
-            f"The triton Mamba backend cannot run on {device.type} tensors: it needs a CUDA "
-            "GPU, or TRITON_INTERPRET=1 set before triton is first imported. Use the torch "
-            "backend on CPU-only workers."
-        )

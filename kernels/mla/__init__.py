@@ -8,29 +8,26 @@ Backends by name, as for attention: a backend's module is imported only when it 
 
 from __future__ import annotations
 
-import importlib
-
 from kernels.mla.base import DEFAULT_NUM_SPLITS, MLABackend, UnknownMLABackendError
+from kernels.registry import BackendRegistry
 
-_BACKENDS: dict[str, tuple[str, str]] = {
-    "torch": ("kernels.mla.torch_backend", "TorchMLABackend"),
-    "triton": ("kernels.mla.triton_backend", "TritonMLABackend"),
-}
+_REGISTRY = BackendRegistry(
+    "MLA",
+    {
+        "torch": ("kernels.mla.torch_backend", "TorchMLABackend"),
+        "triton": ("kernels.mla.triton_backend", "TritonMLABackend"),
+    },
+    UnknownMLABackendError,
+)
 
 
 def mla_backend_names() -> list[str]:
-    return sorted(_BACKENDS)
+    return _REGISTRY.names()
 
 
 def get_mla_backend(name: str) -> MLABackend:
     """A new backend called ``name`` (case-insensitive), or an error listing the valid names."""
-    key = name.strip().lower() if isinstance(name, str) else name
-    if key not in _BACKENDS:
-        raise UnknownMLABackendError(
-            f"Unknown MLA backend {name!r}. Valid backends: {mla_backend_names()}"
-        )
-    module_name, class_name = _BACKENDS[key]
-    return getattr(importlib.import_module(module_name), class_name)()
+    return _REGISTRY.get(name)
 
 
 __all__ = [
