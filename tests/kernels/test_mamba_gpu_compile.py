@@ -12,24 +12,13 @@ one rank's share under TP), in the model's dtypes (bf16 activations, fp32 or bf1
 
 from __future__ import annotations
 
-import json
-import multiprocessing
-import os
-import subprocess
-import sys
-from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
-
-import pytest
-
-from tests.kernels.test_gpu_compile import (
-    ARCHS,
-    FINISHED,
-    MAX_SHARED_BYTES,
-    MAX_WORKERS,
-    STARTED,
-    _compile,
-    _describe,
+from tests.kernels.compile_launches import (
+    check_compiles,
+    compile_in_pool,
+    compile_job,
+    job_name,
+    jobs_for,
+    record_launches,
 )
 
 # name -> the kernels its launcher must launch, in order.
@@ -46,68 +35,24 @@ VARIANTS = {
     "ssd_decode bf16 state fp32": ["_state_update_kernel"],
     "ssd_decode bf16 state bf16": ["_state_update_kernel"],
 }  # fmt: skip
-# sm_90 only (the H200s kvray targets): the attention kernels' compile test covers sm_80 too,
-# and these kernels use nothing sm_80 lacks; each extra arch is ~15 s of CI.
-MAMBA_ARCHS = [arch for arch in ARCHS if arch == "sm_90"]
-JOBS = [(v, i, arch) for v, kernels in VARIANTS.items() for i in range(len(kernels))
-        for arch in MAMBA_ARCHS]  # fmt: skip
-
-
-def job_name(job) -> str:
-    variant, index, arch = job
-    return f"{arch} {variant} {VARIANTS[variant][index]}"
+JOBS = jobs_for(VARIANTS)
 
 
 def test_every_mamba_kernel_compiles_for_sm90(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    code = "from tests.kernels.test_mamba_gpu_compile import compile_all; compile_all()"
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env,
-        cwd=Path(__file__).parents[2],
-    )  # fmt: skip
-    if result.returncode != 0:
-        progress = [line.partition(" ")[::2] for line in result.stderr.splitlines()]
-        finished = {name for word, name in progress if word == FINISHED}
-        in_flight = [name for word, name in progress if word == STARTED and name not in finished]
-        pytest.fail(f"The compile process died compiling one of {in_flight}:\n"
-                    f"{result.stderr[-4000:]}", pytrace=False)  # fmt: skip
-    results = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    failures = [f"{r['name']}:\n{r['error']}" for r in results if "error" in r]
-    if failures:
-        pytest.fail("\n\n".join(failures), pytrace=False)
-    assert [r["name"] for r in results] == [job_name(job) for job in JOBS]
-    assert all(r["cubin_bytes"] > 0 for r in results)
-    too_big = [r for r in results if r["shared_bytes"] > MAX_SHARED_BYTES[r["name"].split()[0]]]
-    assert not too_big, too_big
+    check_compiles(
+        "tests.kernels.test_mamba_gpu_compile", [job_name(VARIANTS, job) for job in JOBS], tmp_path
+    )
 
 
 # --- The child process. ---
 
 
 def compile_all() -> None:
-    assert "TRITON_INTERPRET" not in os.environ, "under the interpreter nothing is compiled"
-    num_workers = min(len(os.sched_getaffinity(0)), MAX_WORKERS)
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(num_workers, mp_context=context) as pool:
-        for name, report in pool.map(_compile_job, JOBS):
-            print(json.dumps({"name": name, **report}), flush=True)
+    compile_in_pool(JOBS, _compile_job)
 
 
 def _compile_job(job) -> tuple[str, dict]:
-    variant, index, arch = job
-    name = job_name(job)
-    print(f"{STARTED} {name}", file=sys.stderr, flush=True)
-    try:
-        launches = _record(variant)
-        names = [kernel_name for kernel_name, *_ in launches]
-        assert names == VARIANTS[variant], f"the launcher launched {names}"
-        _, kernel, args, constexprs = launches[index]
-        report = _compile(kernel, args, constexprs, ARCHS[arch])
-    except Exception as error:
-        report = {"error": _describe(error)}
-    print(f"{FINISHED} {name}", file=sys.stderr, flush=True)
-    return name, report
+    return compile_job(job, VARIANTS, _record)
 
 
 def _record(variant: str) -> list[tuple]:
@@ -120,28 +65,7 @@ def _record(variant: str) -> list[tuple]:
     )
 
     modules = [triton_conv1d, triton_ssd_chunk, triton_ssd_scan, triton_state_update]
-    launches, originals = [], {}
-
-    def recorder(module, name):
-        class Recorder:
-            def __getitem__(self, grid):
-                def launch(*args, **constexprs):
-                    launches.append((name, originals[module, name], args, constexprs))
-
-                return launch
-
-        return Recorder()
-
-    for module in modules:
-        for name in [n for n in vars(module) if n.endswith("_kernel")]:
-            originals[module, name] = getattr(module, name)
-            setattr(module, name, recorder(module, name))
-    try:
-        _launcher_call(variant)()
-    finally:
-        for (module, name), kernel in originals.items():
-            setattr(module, name, kernel)
-    return launches
+    return record_launches(modules, _launcher_call(variant))
 
 
 def _launcher_call(variant: str):
