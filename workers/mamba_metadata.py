@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.mamba.chunks import SSDChunks, build_ssd_chunks
+
 HOST = torch.device("cpu")
 
 
@@ -40,6 +42,8 @@ class MambaBatch:
     # [M, 3] int32 (request in this batch, tokens of it consumed, slot): states to save on the
     # way; None: none.
     checkpoints: torch.Tensor | None = None
+    # (SSD passes) the scan's chunk table, built once for every Mamba layer of the step.
+    chunks: SSDChunks | None = None
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,7 @@ class MambaMetadata:
     decode: MambaBatch | None  # one generated token per request
     prefill: MambaBatch | None  # whole chunks: the conv, and the scan when one pass suffices
     prefill_ssd_passes: tuple[MambaBatch, ...]  # the scan: prompt tokens, then generated ones
-    chunk_size: int | None = None  # the scan's chunk; None: the model's
+    chunk_size: int | None = None  # the scan's chunk (None in tests: the model's)
 
 
 @dataclass(frozen=True)
@@ -117,8 +121,9 @@ def build_mamba_metadata(
     decodes = [i for i, flag in enumerate(is_decode) if flag]
     prefills = [i for i, flag in enumerate(is_decode) if not flag]
 
-    def batch(requests: list[int], spans: list[tuple[int, int]], is_prompt: bool = True):
-        """``spans``: each request's (first token, count) in the step."""
+    def batch(requests, spans: list[tuple[int, int]], is_prompt: bool = True, scan: bool = True):
+        """``spans``: each request's (first token, count) in the step; ``scan``: an SSD pass
+        (its chunk table is built here, for every layer)."""
         rows = [row for first, count in spans for row in range(first, first + count)]
         lens = [count for _, count in spans]
         positions = [
@@ -131,25 +136,33 @@ def build_mamba_metadata(
             for consumed, slot in checkpoints[i] if checkpoints else ():
                 if skip < consumed <= skip + count:
                     saved.append((local, consumed - skip, slot))
+        query_start_loc = _tensor([0, *_cumsum(lens)], torch.int32, device)
+        start_positions = _tensor(positions, torch.int32, device)
+        saved = _tensor(saved, torch.int32, device) if saved else None
+        chunks = None
+        if scan and chunk_size is not None:
+            chunks = build_ssd_chunks(query_start_loc, chunk_size, start_positions, saved)
         return MambaBatch(
             # Disjoint, ascending spans that cover every token are the whole step, in order.
             token_index=None if len(rows) == starts[-1] else _tensor(rows, torch.int64, device),
-            query_start_loc=_tensor([0, *_cumsum(lens)], torch.int32, device),
+            query_start_loc=query_start_loc,
             state_indices=_tensor([slots[i] for i in requests], torch.int32, device),
             has_initial_state=_tensor([p > 0 for p in positions], torch.bool, device),
-            start_positions=_tensor(positions, torch.int32, device),
+            start_positions=start_positions,
             is_prompt=is_prompt,
-            checkpoints=_tensor(saved, torch.int32, device) if saved else None,
+            checkpoints=saved,
+            chunks=chunks,
         )
 
-    decode = batch(decodes, [(starts[i], 1) for i in decodes]) if decodes else None
+    decode = batch(decodes, [(starts[i], 1) for i in decodes], scan=False) if decodes else None
     if not prefills:
         return MambaMetadata(decode, None, (), chunk_size)
-    prefill = batch(prefills, [(starts[i], query_lens[i]) for i in prefills])
     prompt_counts = {
         i: min(max(num_prompt_tokens[i] - num_computed[i], 0), query_lens[i]) for i in prefills
     }
-    if all(prompt_counts[i] == query_lens[i] for i in prefills):
+    one_pass = all(prompt_counts[i] == query_lens[i] for i in prefills)
+    prefill = batch(prefills, [(starts[i], query_lens[i]) for i in prefills], scan=one_pass)
+    if one_pass:
         return MambaMetadata(decode, prefill, (prefill,), chunk_size)
     passes = []
     in_prompt = [i for i in prefills if prompt_counts[i] > 0]

@@ -78,6 +78,12 @@ class ModelRunner:
         ]
         # The state copies an "align" step makes run layer by layer, before the forward.
         self._pending_copies: list[tuple[int, list[int], list[int]]] = []
+        layers = model.kv_cache_layers()
+        self._state_layers = {
+            index: [layers[name] for name in groups[index].layer_names]
+            for index, interval in enumerate(self.state_intervals)
+            if interval is not None
+        }
         # Which group each cache layer's blocks come from.
         self.layer_groups = {
             name: index
@@ -170,9 +176,15 @@ class ModelRunner:
         num_computed = [s - q for s, q in zip(batch.seq_lens, batch.query_lens, strict=True)]
         num_prompt = [self.requests[r].num_prompt_tokens for r in batch.request_ids]
         interval = self.state_intervals[group_index]
+        chunk_size = self.model.config.mamba.chunk_size
         if interval is None:
             return build_mamba_metadata(
-                batch.query_lens, num_computed, num_prompt, state_slots(rows), self.device
+                batch.query_lens,
+                num_computed,
+                num_prompt,
+                state_slots(rows),
+                self.device,
+                chunk_size=chunk_size,
             )
         plan = plan_align_states(rows.tolist(), num_computed, batch.query_lens, interval)
         if plan.copies[0]:
@@ -185,17 +197,16 @@ class ModelRunner:
             self.device,
             checkpoints=plan.checkpoints,
             # Checkpoints must fall on chunk ends of the scan.
-            chunk_size=math.gcd(self.model.config.mamba.chunk_size, interval),
+            chunk_size=math.gcd(chunk_size, interval),
         )
 
     def _copy_states(self) -> None:
         """Carry each "align" request's state into the block its step writes."""
-        layers = self.model.kv_cache_layers()
         for group_index, sources, targets in self._pending_copies:
             source_ids = torch.tensor(sources, dtype=torch.int64, device=self.device)
             target_ids = torch.tensor(targets, dtype=torch.int64, device=self.device)
-            for name in self.config.kv_cache_groups[group_index].layer_names:
-                layers[name].copy_states(source_ids, target_ids)
+            for layer in self._state_layers[group_index]:
+                layer.copy_states(source_ids, target_ids)
         self._pending_copies.clear()
 
     def _sample(

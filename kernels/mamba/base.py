@@ -15,6 +15,8 @@ from typing import ClassVar
 
 import torch
 
+from kernels.mamba.chunks import SSDChunks
+
 
 class UnknownMambaBackendError(ValueError):
     """A Mamba backend name that is not registered."""
@@ -83,6 +85,8 @@ class MambaBackend(ABC):
         dt_min: float = 0.0,
         start_positions: torch.Tensor | None = None,
         checkpoints: torch.Tensor | None = None,
+        *,
+        chunks: SSDChunks | None = None,
     ) -> torch.Tensor:
         """Mamba-2 SSD over a varlen batch.
 
@@ -100,7 +104,9 @@ class MambaBackend(ABC):
         of chunk_size), so checkpoints land on chunk boundaries. checkpoints: optional int32
         ``[M, 3]`` rows ``(request r, tokens consumed n, slot s)``: also write the state after
         n tokens into slot s; callers guarantee ``(start_positions[r] + n) % chunk_size == 0``
-        or n == the request's query length.
+        or n == the request's query length. chunks: the batch's chunk table
+        (``kernels.mamba.chunks.build_ssd_chunks`` of these arguments), when the caller runs
+        several layers over one batch and builds it once; None builds it here.
         """
 
     @abstractmethod

@@ -32,13 +32,15 @@ def ssd_prefill_reference(
     start_positions: torch.Tensor | None = None,
     checkpoints: torch.Tensor | None = None,
     *,
+    chunks: SSDChunks | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``MambaBackend.ssd_prefill``: y ``[T, H, P]`` (into ``out`` if given); final states and
     checkpoints written."""
     num_heads, num_groups = x.shape[1], B.shape[1]
     check_ssd_shapes(x, dt, B, C, ssm_state)
-    chunks = build_ssd_chunks(query_start_loc, chunk_size, start_positions, checkpoints)
+    if chunks is None:
+        chunks = build_ssd_chunks(query_start_loc, chunk_size, start_positions, checkpoints)
     num_chunks, heads = chunks.num_chunks_total, num_heads // num_groups
     # Each chunk as chunk_size cells; cells past the chunk's end get dt' = 0, so they neither
     # decay nor feed the state, and their outputs are dropped.

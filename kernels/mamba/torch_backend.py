@@ -23,10 +23,10 @@ class TorchMambaBackend(MambaBackend):
 
     def ssd_prefill(self, x, dt, A, B, C, D, dt_bias, ssm_state, state_indices,
                     has_initial_state, query_start_loc, chunk_size, dt_min=0.0,
-                    start_positions=None, checkpoints=None):  # fmt: skip
+                    start_positions=None, checkpoints=None, *, chunks=None):  # fmt: skip
         return ssd_prefill_reference(
             x, dt, A, B, C, D, dt_bias, ssm_state, state_indices, has_initial_state,
-            query_start_loc, chunk_size, dt_min, start_positions, checkpoints,
+            query_start_loc, chunk_size, dt_min, start_positions, checkpoints, chunks=chunks,
         )  # fmt: skip
 
     def ssd_decode(self, x, dt, A, B, C, D, dt_bias, ssm_state, state_indices, dt_min=0.0):

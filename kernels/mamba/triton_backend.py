@@ -31,13 +31,13 @@ class TritonMambaBackend(MambaBackend):
 
     def ssd_prefill(self, x, dt, A, B, C, D, dt_bias, ssm_state, state_indices,
                     has_initial_state, query_start_loc, chunk_size, dt_min=0.0,
-                    start_positions=None, checkpoints=None):  # fmt: skip
+                    start_positions=None, checkpoints=None, *, chunks=None):  # fmt: skip
         check_can_launch(x.device, "Mamba")
         from kernels.mamba.triton_ssd import ssd_prefill
 
         return ssd_prefill(
             x, dt, A, B, C, D, dt_bias, ssm_state, state_indices, has_initial_state,
-            query_start_loc, chunk_size, dt_min, start_positions, checkpoints,
+            query_start_loc, chunk_size, dt_min, start_positions, checkpoints, chunks=chunks,
         )  # fmt: skip
 
     def ssd_decode(self, x, dt, A, B, C, D, dt_bias, ssm_state, state_indices, dt_min=0.0):

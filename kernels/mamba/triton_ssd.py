@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.mamba.chunks import build_ssd_chunks
+from kernels.mamba.chunks import SSDChunks, build_ssd_chunks
 from kernels.mamba.ssd_reference import check_ssd_shapes
 from kernels.mamba.triton_ssd_chunk import chunk_cb, chunk_cumsum, chunk_states
 from kernels.mamba.triton_ssd_scan import chunk_scan, pass_states
@@ -35,6 +35,7 @@ def ssd_prefill(
     start_positions: torch.Tensor | None = None,
     checkpoints: torch.Tensor | None = None,
     *,
+    chunks: SSDChunks | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``MambaBackend.ssd_prefill`` (see ``kernels.mamba.base``), into ``out`` if given."""
@@ -42,7 +43,8 @@ def ssd_prefill(
     if ssm_state.stride(-1) != 1:
         raise ValueError(f"ssm_state's last dim must be contiguous: strides {ssm_state.stride()}.")
     out = torch.empty_like(x) if out is None else out
-    chunks = build_ssd_chunks(query_start_loc, chunk_size, start_positions, checkpoints)
+    if chunks is None:
+        chunks = build_ssd_chunks(query_start_loc, chunk_size, start_positions, checkpoints)
     if state_indices.shape[0] == 0:
         return out
     dt_step, cum = chunk_cumsum(dt, dt_bias, A, chunks, dt_min)  # [NC, H, Q] each

@@ -52,3 +52,16 @@ def test_recomputed_outputs_scan_in_a_second_pass_without_the_dt_floor():
 
 def test_state_slot_is_the_first_block_of_the_group():
     assert state_slots(torch.tensor([[5, 0], [9, 0]], dtype=torch.int32)) == [5, 9]
+
+
+def test_each_scan_pass_carries_its_chunk_table_for_every_layer():
+    """The chunk table (a host sync on a GPU) is built once per step, not once per layer;
+    the conv-only prefill batch of a two-pass step needs none."""
+    one_pass = build_mamba_metadata([5, 1], [3, 9], [10, 6], [1, 2], chunk_size=4)
+    (scan,) = one_pass.prefill_ssd_passes
+    assert ints(scan.chunks.chunk_len) == [1, 4]  # 3 -> 4 on the 4-token grid, then 4 -> 8
+    assert one_pass.decode.chunks is None
+    two_pass = build_mamba_metadata([5], [1], [3], [7], chunk_size=4)
+    assert two_pass.prefill.chunks is None
+    # Prompt tokens 1-2, then outputs 3-5, which cross the grid at 4.
+    assert [ints(p.chunks.chunk_len) for p in two_pass.prefill_ssd_passes] == [[2], [1, 2]]

@@ -265,6 +265,7 @@ class MambaMixer2(nn.Module):
                 dt_min=self.mamba.dt_min if batch.is_prompt else 0.0,
                 start_positions=batch.start_positions,
                 checkpoints=batch.checkpoints,
+                chunks=batch.chunks,
             )
             out = _put(out, x, batch, rows)
         return out
