@@ -20,7 +20,7 @@ from workers.gguf import find_gguf_file, gguf_model_config
 from workers.model_config import ModelConfig, load_model_config
 from workers.tokenizer import ByteTokenizer
 
-DEFAULT_MODEL_NAME = "kvray-default-tiny"
+DEFAULT_MODEL_NAME = "embedded:tiny"  # what --model calls it: the name in both APIs
 DEFAULT_SEED = 1234
 EMBEDDED_PREFIX = "embedded:"
 

@@ -80,7 +80,7 @@ def test_decode_rows_per_context_length(capsys, tmp_path):
     short, long = report["results"]
     num_params = sum(t.numel() for t in default_checkpoint(DEFAULT_CONFIG).values())
     for row, context_len in ((short, 16), (long, 48)):
-        assert row["model"] == "kvray-default-tiny"
+        assert row["model"] == "embedded:tiny"
         assert row["params_m"] == pytest.approx(num_params / 1e6)
         assert row["context_len"] == context_len and row["batch_size"] == 3
         assert row["decode_steps"] == 4

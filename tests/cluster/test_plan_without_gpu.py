@@ -55,7 +55,7 @@ def test_plan_and_handshake_with_the_triton_backend_need_no_gpu_and_no_triton():
     )
     assert result.returncode == 0, result.stderr[-4000:]
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("model: kvray-default-tiny (LlamaForCausalLM), TP 1")
+    assert lines[0].startswith("model: embedded:tiny (LlamaForCausalLM), TP 1")
     assert any(line.startswith("fits: ") for line in lines)
     handshake = [line for line in lines if line.startswith("handshake ")]
     assert handshake and handshake[0].split()[1] == "BLHNC" and int(handshake[0].split()[2]) > 1

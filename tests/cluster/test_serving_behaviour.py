@@ -187,7 +187,7 @@ def test_async_client(server):
 def test_server_info_and_health(kind, client):
     client_kind = kind
     info = client.info()
-    assert info["model"] == "kvray-default-tiny"
+    assert info["model"] == "embedded:tiny"
     assert info["tensor_parallel_size"] == KINDS[client_kind][1]
     assert info["scheduler_block_size"] == 16
     assert info["groups"][0]["spec_type"] == "FullAttentionSpec"
@@ -249,6 +249,6 @@ def test_queue_limit_and_api_key(kind):
         with Client(locked.address, api_key="s3cret") as keyed:
             with pytest.raises(OverloadedError, match="retry later"):
                 keyed.generate("hi", max_tokens=1)
-            assert keyed.info()["model"] == "kvray-default-tiny"
+            assert keyed.info()["model"] == "embedded:tiny"
     finally:
         locked.stop()
