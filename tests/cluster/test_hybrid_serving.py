@@ -4,12 +4,12 @@ when the first request's steps ended in its own tokens, and the tokens stay tran
 
 from __future__ import annotations
 
+import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cluster.client import Client
+from cluster.client import AsyncClient, Client
 from cluster.config import EngineConfig
 from cluster.local import LocalServer
 from tests.workers.hf_models import reference_generations, save_nemotron_h
@@ -84,25 +84,29 @@ def test_without_prefix_caching_nothing_is_cached_and_the_tokens_are_the_same(mo
 
 
 def test_preempted_and_aborted_requests_free_their_states_and_keep_their_tokens(model_dir):
-    """Four 100-token prompts asking for 60 tokens each, at once, in a pool of 36 blocks:
-    admitted together, they outgrow it, so some are preempted and recompute (resuming from
-    their own kept states where they can); their tokens are still transformers', an aborted
-    stream frees its blocks, and every block comes back."""
+    """Four 100-token prompts asking for 60 tokens each, sent at once, in a pool of 22 blocks:
+    one request at its full length holds 12, so any two running together outgrow it and
+    one is preempted and recomputes (resuming from its own kept states where it can); their
+    tokens are still transformers', an aborted stream frees its blocks, and every block comes
+    back."""
     prompts = [tokens(100, 7 + 2 * i, i) for i in range(4)]
     expected = reference_generations(model_dir, prompts, 60)
     config = EngineConfig(
         model=str(model_dir),
         port=0,
         kv_cache_memory_bytes=64 << 20,
-        num_gpu_blocks_override=36,
-        max_model_len=256,
+        num_gpu_blocks_override=22,  # about what the planner takes for one 192-token request
+        max_model_len=192,
         max_num_batched_tokens=256,
     )
+
+    async def all_at_once(address: str):
+        async with AsyncClient(address, timeout=120) as client:
+            calls = [client.generate(p, max_tokens=60, temperature=0) for p in prompts]
+            return await asyncio.gather(*calls)
+
     with LocalServer(config) as server, Client(server.address, timeout=120) as client:
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            results = list(
-                pool.map(lambda p: client.generate(p, max_tokens=60, temperature=0), prompts)
-            )
+        results = asyncio.run(all_at_once(server.address))
         stream = client.stream(prompts[0], max_tokens=40, temperature=0, ignore_eos=True)
         next(stream)
         stream.close()  # the client goes away mid-stream: the server aborts the request
