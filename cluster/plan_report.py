@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from cluster.config import EngineConfig
 from cluster.startup import max_model_len_for
 from kernels.backends import get_attention_backend
 from kvcore import (
+    FullAttentionSpec,
+    KVCacheConfig,
     KVCacheLayout,
+    KVCacheSpec,
     MambaSpec,
+    MLAAttentionSpec,
     get_kv_cache_config,
+    get_kv_cache_config_from_groups,
+    get_kv_cache_groups,
     iter_layer_specs,
     resolve_kv_cache_layout,
+    shard_kv_cache_spec,
 )
 from workers.default_model import model_display_name
 from workers.kv_specs import rank_kv_cache_specs
+from workers.model_config import ModelConfig
 
 
 def plan_report(config: EngineConfig, model_config, layouts: list[str] | None = None) -> str:
@@ -56,6 +66,7 @@ def plan_report(config: EngineConfig, model_config, layouts: list[str] | None = 
             f"(H={spec.num_heads} N={spec.num_states} C={spec.state_content_size_bytes})"
         )
     lines.extend(state_caching_lines(config, kv))
+    lines.extend(latent_lines(model_config, specs, kv, tp, options))
     lines.append("strides per layout (layer_stride, block_stride, offset) of each tensor:")
     for layout in layouts or [layout.name for layout in KVCacheLayout]:
         try:
@@ -89,4 +100,49 @@ def state_caching_lines(config: EngineConfig, kv) -> list[str]:
         f"mamba states: one kept every {caching.interval} tokens for prefix caching "
         f"(--mamba-state-interval); a step checkpoints up to {caching.num_checkpoints} per "
         f"group, {per_step} bytes in blocks until they are cached, then evictable"
+    ]
+
+
+def latent_lines(
+    model_config: ModelConfig,
+    specs: Mapping[str, KVCacheSpec],
+    kv: KVCacheConfig,
+    tp: int,
+    options: dict,
+) -> list[str]:
+    """What MLA's latent saves: the same pool planned as the full K/V cache that this rank's
+    query heads would need without it (the comparison upstream vLLM makes). The latent is whole
+    on every rank; the full cache's heads would be split over the ranks."""
+    latents = [spec for spec in specs.values() if isinstance(spec, MLAAttentionSpec)]
+    if not latents:
+        return []
+    latent, mla = latents[0], model_config.mla
+    whole = FullAttentionSpec(
+        block_size=latent.block_size,
+        num_kv_heads=model_config.num_attention_heads,
+        head_size=mla.qk_head_dim,
+        head_size_v=mla.v_head_dim,
+        dtype=latent.dtype,
+    )
+    full = shard_kv_cache_spec(whole, tp, 0)
+    full_specs = {
+        name: full if isinstance(spec, MLAAttentionSpec) else spec for name, spec in specs.items()
+    }
+    # The latent pool's bytes, unchecked: a full cache may not hold one request at
+    # max_model_len. Without the override, which would fix the block count instead.
+    full_kv = get_kv_cache_config_from_groups(
+        get_kv_cache_groups(full_specs, kv.layout),
+        kv.num_blocks * kv.bytes_per_block,
+        kv.layout,
+        **(options | {"num_blocks_override": None}),
+    )
+    latent_bytes = latent.page_size_bytes // latent.block_size
+    full_bytes = full.page_size_bytes // full.block_size
+    return [
+        f"latent (MLA): {latent_bytes} bytes per token per layer, page {latent.page_size_bytes} "
+        "bytes per block",
+        f"  vs a full K/V cache of this rank's {full.num_kv_heads} query heads x "
+        f"({mla.qk_head_dim} + {mla.v_head_dim}): {full_bytes} bytes per token per layer "
+        f"({full_bytes / latent_bytes:.1f}x the latent); the same memory would fit "
+        f"{full_kv.capacity_tokens} tokens instead of {kv.capacity_tokens}",
     ]

@@ -18,6 +18,7 @@ class ForwardContext:
     backend: Any  # the attention backend serving this forward
     metadata_by_layer: Mapping[str, Any]  # layer name -> its KV-cache group's step metadata
     mamba_backend: Any = None  # the Mamba kernels (kernels.mamba), for hybrid models
+    mla_backend: Any = None  # the latent-cache kernels (kernels.mla), for DeepSeek models
 
 
 _current: ForwardContext | None = None

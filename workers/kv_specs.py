@@ -3,7 +3,10 @@ weights): the controller uses it to check ranks and to plan, and ``kvray plan`` 
 
 Attention layers get an attention spec; a hybrid's Mamba layers get one ``MambaSpec`` each,
 whose page holds the layer's conv state ``[K-1, conv_dim]`` and SSM state ``[H, P, N]`` end to
-end; MLP-only layers keep nothing.
+end; MLP-only layers keep nothing. A DeepSeek layer's spec is an ``MLAAttentionSpec``: one
+latent "head" of ``kv_lora_rank + qk_rope_head_dim`` values per token and no separate V. Its
+query heads are split over the TP ranks but the latent is not: kvcore keeps an MLA spec whole
+on every rank, and the startup rank check compares each rank's latent with the whole one.
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ from kvcore import (
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
     shard_layer_specs,
 )
-from workers.model_config import MambaConfig, ModelConfig
+from workers.model_config import MambaConfig, ModelConfig, UnsupportedModelError
 
 CustomizeSpec = Callable[[KVCacheSpec], KVCacheSpec]
 
@@ -97,6 +101,21 @@ def _layer_spec(
         return None
     if kind == "mamba":
         return mamba_layer_name(index), _mamba_spec(config, block_size, dtype, tp_size, caching)
+    if kind == "mla_attention":
+        if config.num_attention_heads % tp_size:
+            raise UnsupportedModelError(
+                f"num_attention_heads={config.num_attention_heads} is not divisible by tensor "
+                f"parallel size {tp_size}: MLA splits the query heads over the ranks (each "
+                "keeps the whole latent); choose a tensor parallel size that divides it."
+            )
+        latent = MLAAttentionSpec(
+            block_size=block_size,
+            num_kv_heads=1,
+            head_size=config.mla.latent_size,
+            head_size_v=0,
+            dtype=dtype,
+        )
+        return attention_layer_name(index), latent
     fields = dict(
         block_size=block_size,
         num_kv_heads=config.num_key_value_heads,

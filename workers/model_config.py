@@ -16,7 +16,10 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "NemotronHForCausalLM",  # hybrid: Mamba-2, attention and MLP layers (workers/models/nemotron_h)
+    "DeepseekV2ForCausalLM",  # multi-head latent attention, dense MLPs (workers/models/deepseek)
+    "DeepseekV3ForCausalLM",
 )
+DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
 
@@ -81,6 +84,28 @@ class MambaConfig(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
+class MLAConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Multi-head latent attention (DeepSeek-V2/V3's ``mla_attention`` layers): every token
+    caches one latent ``[kv_c (kv_lora_rank) | k_pe (qk_rope_head_dim)]`` shared by all heads."""
+
+    kv_lora_rank: int  # L, the normalised latent that K's nope part and V are expanded from
+    q_lora_rank: int | None  # None: a plain q_proj; else q_a_proj -> RMSNorm -> q_b_proj
+    qk_nope_head_dim: int  # P
+    qk_rope_head_dim: int  # R, rotated; one key head shared by every query head
+    v_head_dim: int  # V
+    rope_interleave: bool  # rotate (x0, x1), (x2, x3)... pairs (GPT-J style), not halves
+    attention_bias: bool  # q_a_proj, kv_a_proj_with_mqa and o_proj carry biases
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_size(self) -> int:
+        """Elements one token's cache entry holds."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     architecture: str
     vocab_size: int
@@ -100,9 +125,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3 normalises each query and key head before RoPE
     # One entry per layer: "full_attention" or "sliding_attention"; hybrids also "mamba" and
-    # "mlp" (a layer that is only an MLP block).
+    # "mlp" (a layer that is only an MLP block); DeepSeek "mla_attention".
     layer_types: tuple[str, ...] = ()
     mamba: MambaConfig | None = None  # hybrids only
+    mla: MLAConfig | None = None  # DeepSeek-V2/V3: every attention layer is "mla_attention"
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -134,15 +160,30 @@ def parse_hf_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     generation = generation or {}
+    quantization = raw.get("quantization_config")
+    if quantization:
+        method = (
+            quantization.get("quant_method", "unknown")
+            if isinstance(quantization, dict)
+            else quantization
+        )
+        raise UnsupportedModelError(
+            f"Quantized checkpoints are not served yet (quantization_config: {method}); use "
+            "an unquantized (bfloat16, float16 or float32) checkpoint of the model"
+        )
     if architecture == "NemotronHForCausalLM":
         from workers.nemotron_h_config import parse_nemotron_h  # it builds on this module
 
         return parse_nemotron_h(raw, generation)
+    if architecture in DEEPSEEK_ARCHITECTURES:
+        from workers.deepseek_config import parse_deepseek
+
+        return parse_deepseek(raw, generation)
     hidden = raw["hidden_size"]
     heads = raw["num_attention_heads"]
     num_layers = raw["num_hidden_layers"]
     layer_types, window = _layer_types(raw, architecture, num_layers)
-    rope_theta, rope_scaling = _rope(raw)
+    rope_theta, rope_scaling = rope_settings(raw)
     return ModelConfig(
         architecture=architecture,
         vocab_size=raw["vocab_size"],
@@ -199,7 +240,7 @@ def default_sampling(generation: dict[str, Any]) -> dict[str, float | int]:
     return (defaults | {"temperature": 0.0}) if is_greedy else defaults
 
 
-def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def rope_settings(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     """The RoPE base and, for a scaled RoPE, its parameters (refused by name when unknown)."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     theta = float(params.get("rope_theta") or raw.get("rope_theta") or 10000.0)

@@ -42,6 +42,7 @@ def run_profile_step(
     specs: Mapping[str, KVCacheSpec],
     *,
     mamba_backend=None,
+    mla_backend=None,
     num_tokens: int,
     num_seqs: int,
     max_len: int,
@@ -68,7 +69,15 @@ def run_profile_step(
     layers = model.kv_cache_layers()
     scratch = allocate_kv_cache(config, layers, backend, device)
     try:
-        runner = ModelRunner(model, backend, config, device, mamba_backend=mamba_backend)
+        runner = ModelRunner(
+            model,
+            backend,
+            config,
+            device,
+            mamba_backend=mamba_backend,
+            mla_backend=mla_backend,
+            mla_expand_budget=num_tokens,  # the serving budget, so its scratch is measured
+        )
         runner.execute(StepPlan(new_requests=_profile_requests(lens, blocks_per_group)))
         return scratch.numel() * scratch.element_size()
     finally:

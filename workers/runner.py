@@ -17,11 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from kernels.backends import AttentionBackend
-from kvcore import KVCacheConfig, MambaSpec, iter_layer_specs
+from kvcore import KVCacheConfig, MambaSpec, MLAAttentionSpec, iter_layer_specs
 from kvcore._math import cdiv
+from workers import defaults
 from workers.block_table import BlockTable
 from workers.forward_context import ForwardContext, set_forward_context
 from workers.mamba_metadata import build_mamba_metadata, plan_align_states, state_slots
+from workers.mla_metadata import build_mla_metadata
 from workers.parallel import broadcast_from_first, get_tp_group
 from workers.sampler import Sampler, SamplingRow, TokenLogprobs
 from workers.sampling import SamplingParams
@@ -52,10 +54,16 @@ class ModelRunner:
         config: KVCacheConfig,
         device: torch.device | str = "cpu",
         mamba_backend=None,  # kernels.mamba's backend, for models with Mamba layers
+        mla_backend=None,  # kernels.mla's backend, for models with latent attention
+        # The most context tokens an MLA step expands to per-head K/V: the largest step's
+        # token count, which the memory profile ran (see workers.mla_metadata).
+        mla_expand_budget: int = defaults.MAX_NUM_BATCHED_TOKENS,
     ):
         self.model = model
         self.backend = backend
         self.mamba_backend = mamba_backend
+        self.mla_backend = mla_backend
+        self.mla_expand_budget = mla_expand_budget
         self.config = config
         self.device = torch.device(device)
         self.requests: dict[str, RunnerRequest] = {}
@@ -70,6 +78,7 @@ class ModelRunner:
         groups = config.kv_cache_groups
         first_specs = [next(iter(iter_layer_specs(group.kv_cache_spec))) for group in groups]
         self.is_mamba_group = [isinstance(spec, MambaSpec) for spec in first_specs]
+        self.is_latent_group = [isinstance(spec, MLAAttentionSpec) for spec in first_specs]
         self.state_intervals = [
             spec.block_size
             if isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align"
@@ -155,6 +164,7 @@ class ModelRunner:
                 name: metadata_per_group[index] for name, index in self.layer_groups.items()
             },
             mamba_backend=self.mamba_backend,
+            mla_backend=self.mla_backend,
         )
         token_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
@@ -170,8 +180,18 @@ class ModelRunner:
         rows = self.block_tables[group_index].rows(batch.request_ids)
         if not self.is_mamba_group[group_index]:
             block_size = self.config.kv_cache_groups[group_index].kv_cache_spec.block_size
-            return self.backend.build_metadata(
+            metadata = self.backend.build_metadata(
                 batch.query_lens, batch.seq_lens, rows, block_size, self.device
+            )
+            if not self.is_latent_group[group_index]:
+                return metadata
+            return build_mla_metadata(
+                metadata,
+                batch.query_lens,
+                batch.seq_lens,
+                rows,
+                self.device,
+                self.mla_expand_budget,
             )
         num_computed = [s - q for s, q in zip(batch.seq_lens, batch.query_lens, strict=True)]
         num_prompt = [self.requests[r].num_prompt_tokens for r in batch.request_ids]

@@ -16,6 +16,7 @@ import torch
 
 from kernels.backends import get_attention_backend
 from kernels.mamba import get_mamba_backend
+from kernels.mla import get_mla_backend
 from kvcore import KVCacheConfig, RankReport, decode, encode
 from workers import defaults
 from workers.default_model import (
@@ -77,6 +78,10 @@ class Worker:
         self.mamba_backend = None
         if self.model_config.mamba is not None:
             self.mamba_backend = get_mamba_backend(options.attention_backend)
+        # A DeepSeek model's latent-cache kernels, likewise.
+        self.mla_backend = None
+        if self.model_config.mla is not None:
+            self.mla_backend = get_mla_backend(options.attention_backend)
         self.model = None
         self.runner: ModelRunner | None = None
         self._raw_kv_cache: torch.Tensor | None = None
@@ -152,6 +157,7 @@ class Worker:
             self.backend,
             specs,
             mamba_backend=self.mamba_backend,
+            mla_backend=self.mla_backend,
             num_tokens=self.options.max_num_batched_tokens,
             num_seqs=self.options.max_num_seqs,
             max_len=self.model_config.max_position_embeddings,
@@ -178,7 +184,13 @@ class Worker:
             config, self.model.kv_cache_layers(), self.backend, self.device
         )
         self.runner = ModelRunner(
-            self.model, self.backend, config, self.device, mamba_backend=self.mamba_backend
+            self.model,
+            self.backend,
+            config,
+            self.device,
+            mamba_backend=self.mamba_backend,
+            mla_backend=self.mla_backend,
+            mla_expand_budget=self.options.max_num_batched_tokens,
         )
         return self._raw_kv_cache.numel()
 

@@ -1,7 +1,8 @@
 """What only a GPU shows, run by ``python -m cluster.bench.gpu_check`` where one exists:
 serving through Ray with the Triton backend in every layout (compiled kernels, not the
 interpreter), bf16 attention executed, sampling at temperature > 0 on the GPU, the KV cache
-sized from the device's measured memory, and TP 2 over NCCL when two GPUs are there.
+sized from the device's measured memory, TP 2 over NCCL when two GPUs are there, and a
+DeepSeek (MLA) model through the compiled latent kernels.
 Skipped on machines without CUDA; CI runs the same paths on CPUs in tests/cluster."""
 
 from __future__ import annotations
@@ -85,5 +86,28 @@ def test_tensor_parallel_over_nccl(gpu_ray, reference_tokens):
     handle, address = served(tensor_parallel_size=2, placement_strategy="STRICT_PACK")
     try:
         assert greedy(address) == reference_tokens
+    finally:
+        stop(handle)
+
+
+def test_a_deepseek_mla_model_matches_transformers(gpu_ray, tmp_path):
+    """A tiny DeepSeek-V3 in fp32 through the compiled MLA kernels: the latent write, the
+    split-KV latent decode and the expanded paged prefill. A step budget of 64 tokens sends
+    the 150-token prompt's later chunks through latent-space prefill; the repeated prompt
+    reads its first 144 tokens' latents from the prefix cache."""
+    from tests.workers.hf_models import reference_generations, save_deepseek
+
+    model_dir = save_deepseek(tmp_path / "deepseek", q_lora_rank=24)
+    prompt = [3 + (7 * i + 1) % 297 for i in range(150)]  # no pad, BOS or EOS ids
+    (expected,) = reference_generations(model_dir, [prompt], 16)
+    handle, address = served(
+        model=str(model_dir), attention_backend="triton", max_num_batched_tokens=64
+    )
+    try:
+        with Client(address, timeout=300) as client:
+            first = client.generate(prompt, max_tokens=16, temperature=0)
+            again = client.generate(prompt, max_tokens=16, temperature=0)
+        assert first.token_ids == again.token_ids == expected
+        assert again.usage.cached_prompt_tokens == 144
     finally:
         stop(handle)

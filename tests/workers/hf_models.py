@@ -121,3 +121,35 @@ def save_nemotron_h(directory: Path, layers, n_groups: int, **overrides) -> Path
         raw["num_hidden_layers"] = len(layers)
         path.write_text(json.dumps(raw))
     return directory
+
+
+# A tiny dense DeepSeek-V3 (every layer dense: first_k_dense_replace = num_hidden_layers) with
+# nope, rope and value head sizes all different, so no path may confuse them.
+DEEPSEEK_V3 = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    first_k_dense_replace=2,
+    num_attention_heads=4,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    initializer_range=0.5,
+    max_position_embeddings=512,
+)
+
+
+def save_deepseek(
+    directory: Path, *, q_lora_rank: int | None, version: int = 3, **overrides
+) -> Path:
+    """A tiny dense DeepSeek-V3 (or V2: the same MLA, complex-number RoPE) saved in fp32."""
+    import transformers
+
+    config_class = getattr(transformers, f"DeepseekV{version}Config")
+    model_class = getattr(transformers, f"DeepseekV{version}ForCausalLM")
+    config = config_class(**(DEEPSEEK_V3 | overrides), q_lora_rank=q_lora_rank)
+    torch.manual_seed(0)
+    model_class(config).eval().save_pretrained(directory)
+    return directory

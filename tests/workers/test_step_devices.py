@@ -39,8 +39,13 @@ def default_device(device: str):
         torch.set_default_device(None)
 
 
-def run_steps(backend_name: str, *, implicit_device: str | None) -> list[dict[str, list[int]]]:
-    worker = Worker(0, WorkerOptions(kv_cache_memory_bytes=8 << 20, attention_backend=backend_name))
+def run_steps(
+    backend_name: str, *, implicit_device: str | None, model: str | None = None
+) -> list[dict[str, list[int]]]:
+    options = WorkerOptions(
+        model=model, kv_cache_memory_bytes=8 << 20, attention_backend=backend_name
+    )
+    worker = Worker(0, options)
     worker.init_tp_group(None)
     worker.load_model()
     worker.allocate_kv_cache(encode(plan_for(worker, "BLHNC")))

@@ -1,4 +1,4 @@
-"""Column-, row- and QKV-parallel linear layers.
+"""Column-, row- and QKV-parallel linear layers, and replicated ones.
 
 Column-parallel layers split the output features across ranks and leave the output sharded;
 row-parallel layers split the input features and sum the partial outputs over the TP group. A
@@ -60,6 +60,23 @@ class ColumnParallelLinear(nn.Module):
 
     def pack_for_cpu(self) -> bool:
         return _pack(self)
+
+
+class ReplicatedLinear(ColumnParallelLinear):
+    """The whole ``y = x W^T + b`` on every rank (a projection too small to split, or one every
+    rank needs whole, such as MLA's latent)."""
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool, dtype: torch.dtype):
+        nn.Module.__init__(self)
+        self.input_size = input_size
+        self.output_size = self.output_size_per_rank = output_size
+        self.weight = _param((output_size, input_size), dtype, self.weight_loader)
+        self.bias = _param((output_size,), dtype, self.weight_loader) if bias else None
+        self.packed_weight = None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        _check_shape(param, loaded, tuple(param.shape))
+        param.data.copy_(loaded.narrow(0, 0, param.shape[0]))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

@@ -1,5 +1,6 @@
-"""Rotary position embedding (the half-split form used by Llama-family checkpoints), with the
-``llama3`` and ``yarn`` frequency scalings for contexts past the pretraining length.
+"""Rotary position embedding (the half-split form used by Llama-family checkpoints, or the
+interleaved-pairs form of DeepSeek's ``rope_interleave``), with the ``llama3`` and ``yarn``
+frequency scalings for contexts past the pretraining length.
 
 One instance serves every layer of a model: the cos and sin of a step's positions are
 computed by the first layer and reused by the others (the runner hands all layers the same
@@ -18,8 +19,19 @@ from workers.model_config import RopeScaling
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_size: int, theta: float, scaling: RopeScaling | None = None):
+    def __init__(
+        self,
+        head_size: int,
+        theta: float,
+        scaling: RopeScaling | None = None,
+        *,
+        is_interleaved: bool = False,
+    ):
         super().__init__()
+        # Interleaved: dims (2i, 2i+1) turn together, written back as evens then odds, as
+        # transformers' DeepSeek-V3 does; queries and keys share the order, so their products
+        # equal those of the pairs left in place.
+        self.is_interleaved = is_interleaved
         inv_freq, self.attention_factor = rope_frequencies(head_size, theta, scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._step: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None
@@ -35,6 +47,8 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._cos_sin(positions)
         cos = cos.to(x.dtype)[:, None, :]  # [T, 1, D]
         sin = sin.to(x.dtype)[:, None, :]
+        if self.is_interleaved:
+            return _rotate_pairs(x, cos, sin)
         return _rotate(x, cos, sin)
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,3 +134,10 @@ def _yarn_attention_factor(s: RopeScaling) -> float:
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., :half]  # the tables repeat each pair's angle twice
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)

@@ -15,6 +15,10 @@ def model_class_for(config: ModelConfig):
         from workers.models.nemotron_h import NemotronHForCausalLM
 
         return NemotronHForCausalLM
+    if config.mla is not None:
+        from workers.models.deepseek import DeepseekForCausalLM
+
+        return DeepseekForCausalLM
     from workers.models.llama import LlamaForCausalLM  # every other family shares it
 
     return LlamaForCausalLM

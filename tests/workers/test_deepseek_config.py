@@ -1,0 +1,156 @@
+"""DeepSeek-V2/V3 configs: what is read, what is refused by name (MoE layers, unknown RoPE
+scalings, other activations), the yarn softmax-scale correction, and the startup handshake of
+the latent cache (whole on every rank)."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+
+from cluster.config import EngineConfig
+from cluster.startup import plan_kv_cache
+from kvcore import GeometryMismatchError, MLAAttentionSpec, RankReport
+from workers.deepseek_config import mla_softmax_scale
+from workers.kv_specs import rank_kv_cache_specs
+from workers.model_config import UnsupportedModelError, parse_hf_config
+
+RAW = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "first_k_dense_replace": 2,
+    "num_attention_heads": 4,
+    "kv_lora_rank": 16,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 12,
+}
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+
+
+def test_a_dense_v3_config_reads_its_latent_geometry():
+    config = parse_hf_config(RAW)
+    mla = config.mla
+    assert (mla.kv_lora_rank, mla.q_lora_rank, mla.latent_size, mla.qk_head_dim) == (
+        16,
+        None,
+        24,
+        24,
+    )
+    assert mla.rope_interleave  # V3's default
+    assert config.layer_types == ("mla_attention", "mla_attention")
+    assert config.head_dim == 8  # RoPE turns the rope part only
+    spec = rank_kv_cache_specs(config, 16, 1, 0)[LAYERS[0]]
+    assert spec == MLAAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=24, head_size_v=0, dtype="float32"
+    )
+    assert spec.page_size_bytes == 16 * 24 * 4  # one latent per token, no separate V
+
+
+def test_v2_rotates_interleaved_pairs_whatever_rope_interleave_says():
+    raw = RAW | {"architectures": ["DeepseekV2ForCausalLM"], "rope_interleave": False}
+    assert parse_hf_config(raw).mla.rope_interleave
+    assert not parse_hf_config(RAW | {"rope_interleave": False}).mla.rope_interleave
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (
+            RAW | {"first_k_dense_replace": 1},
+            r"Layers 1\.\.1 of this DeepseekV3ForCausalLM are mixture-of-experts \(MoE\) "
+            r"layers \(first_k_dense_replace=1 < num_hidden_layers=2\)",
+        ),
+        # V3 keeps 3 layers dense by default, V2 none: both default to MoE past them.
+        (RAW | {"num_hidden_layers": 4, "first_k_dense_replace": None}, r"Layers 3\.\.3"),
+        (
+            {k: v for k, v in RAW.items() if k != "first_k_dense_replace"}
+            | {"architectures": ["DeepseekV2ForCausalLM"]},
+            r"Layers 0\.\.1 .* MoE",
+        ),
+        (
+            RAW | {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}},
+            r"Unsupported RoPE type 'longrope'\. Supported RoPE types: default, llama3, yarn",
+        ),
+        (RAW | {"hidden_act": "gelu"}, r"Unsupported hidden_act 'gelu'; supported: silu"),
+        (RAW | {"qk_rope_head_dim": 7}, r"qk_rope_head_dim=7 must be even"),
+        # DeepSeek-V3's published weights are fp8 with block scales.
+        (
+            RAW | {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}},
+            r"Quantized checkpoints are not served yet \(quantization_config: fp8\)",
+        ),
+    ],
+)
+def test_what_kvray_cannot_serve_is_refused_by_name(raw, message):
+    with pytest.raises(UnsupportedModelError, match=message):
+        parse_hf_config(raw)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        None,
+        {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+         "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1},
+        {"rope_type": "yarn", "factor": 4.0, "mscale": 0.707, "mscale_all_dim": 0.707,
+         "original_max_position_embeddings": 128},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+    ],
+)  # fmt: skip
+def test_softmax_scale_matches_transformers(rope):
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+    config = parse_hf_config(RAW if rope is None else RAW | {"rope_scaling": rope})
+    head = RAW["qk_nope_head_dim"] + RAW["qk_rope_head_dim"]
+    theirs = yarn_apply_mscale(rope or {"rope_type": "default"}, head**-0.5)
+    assert math.isclose(mla_softmax_scale(config.mla, config.rope_scaling), theirs, rel_tol=1e-12)
+    if rope is not None and rope.get("mscale_all_dim"):
+        assert theirs > head**-0.5 * 1.01  # the correction is in play
+
+
+CONFIG = EngineConfig(
+    tensor_parallel_size=2, kv_cache_layout="LBHNC", block_size=16, attention_backend="torch"
+)
+
+
+def reports(model_config) -> list[RankReport]:
+    return [
+        RankReport(
+            rank=rank,
+            specs=rank_kv_cache_specs(model_config, 16, 2, rank),
+            supported_layouts=["LBHNC"],
+            free_memory_bytes=8 << 20,
+        )
+        for rank in range(2)
+    ]
+
+
+def test_every_rank_holds_the_whole_latent_and_the_handshake_agrees():
+    """Query heads split over TP 2, the latent does not: both ranks report the global spec."""
+    model_config = parse_hf_config(RAW)
+    both = reports(model_config)
+    whole = rank_kv_cache_specs(model_config, 16, 1, 0)
+    assert both[0].specs == both[1].specs == whole
+    plan = plan_kv_cache(both, model_config, CONFIG)
+    assert [sorted(g.layer_names) for g in plan.kv_cache_groups] == [LAYERS]
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_query_heads_is_refused():
+    with pytest.raises(UnsupportedModelError, match=r"num_attention_heads=4 is not divisible by "
+                       r"tensor parallel size 3: MLA splits the query heads"):  # fmt: skip
+        rank_kv_cache_specs(parse_hf_config(RAW), 16, 3, 0)
+
+
+def test_a_rank_that_splits_the_latent_is_refused():
+    """A rank that sharded the latent by heads (halving it) would read other tokens' bytes."""
+    model_config = parse_hf_config(RAW)
+    bad = reports(model_config)
+    split = msgspec.structs.replace(bad[1].specs[LAYERS[1]], head_size=12)
+    bad[1] = msgspec.structs.replace(bad[1], specs=bad[1].specs | {LAYERS[1]: split})
+    with pytest.raises(GeometryMismatchError, match=r"rank 1.*model\.layers\.1.*head_size"):
+        plan_kv_cache(bad, model_config, CONFIG)

@@ -1,0 +1,157 @@
+"""Per-step metadata of an MLA (DeepSeek) cache group: which queries attend in latent space
+and which prefills expand their context into per-head K/V. Built once per step, read by every
+MLA layer.
+
+The two ways one query can attend over the latent cache:
+
+- **Latent** (absorbed weights): the nope query is projected into latent space and attends the
+  cached latents directly. It reads ``kv_lora_rank + qk_rope_head_dim`` values per cached token
+  and head, and needs no memory beyond the query. Every decode token takes it; so does every
+  token of a prefill whose context is too long to expand, each token a row of the decode
+  kernel that sees its own position and the ones before (its causal mask is its length).
+- **Expanded**: the request's whole context is projected up to per-head keys
+  ``[k_nope (P) | k_pe (R)]`` and values (V), and the attention backend's paged prefill runs
+  over them. Less arithmetic per query for long prompts (``P + R + V`` per head, against ``2 L
+  + R``), but the expansion takes ``context × heads × (P + R + V)`` elements of scratch. A
+  step expands at most ``expand_budget`` context tokens (the largest step's token count, so
+  the scratch never outgrows what the memory profile measured); prefills past it attend
+  latently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels.metadata import HOST, AttentionMetadata, build_attention_metadata
+
+
+@dataclass(frozen=True)
+class LatentQueries:
+    """Step tokens attended in latent space, one decode-kernel row each."""
+
+    token_index: torch.Tensor | None  # [n] int64 rows of the step's tokens; None: all of them
+    block_table: torch.Tensor  # [n, W] int32 manager block ids (the token's request's row)
+    seq_lens: torch.Tensor  # [n] int32 cached tokens each row sees: its position + 1
+
+
+@dataclass(frozen=True)
+class ExpandedPrefills:
+    """Prefill requests whose context is expanded to per-head K/V for the attention backend."""
+
+    token_index: torch.Tensor | None  # [m] int64 rows of the step's tokens; None: all of them
+    context_slots: torch.Tensor  # [S] int64 cache slots of every context token, request by request
+    # The attention backend's metadata over the expanded K/V: blocks of one token, request j's
+    # context at rows ``offset_j .. offset_j + seq_len_j - 1`` of the expansion.
+    metadata: AttentionMetadata
+
+
+@dataclass(frozen=True)
+class MLAMetadata:
+    attention: AttentionMetadata  # the group's own: the slot mapping writes the new latents
+    latent: LatentQueries | None
+    expanded: ExpandedPrefills | None
+
+
+def build_mla_metadata(
+    attention: AttentionMetadata,
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_rows: torch.Tensor,
+    device: torch.device | str,
+    expand_budget: int,
+) -> MLAMetadata:
+    """Split the step's requests between the two paths. ``block_rows`` is the group's
+    ``[R, W]`` int32 host table of manager block ids, as ``attention`` was built from."""
+    expanded = select_expanded(query_lens, seq_lens, expand_budget)
+    num_tokens = sum(query_lens)
+    lens = torch.tensor(list(query_lens), dtype=torch.int64, device=HOST)
+    request_of = torch.repeat_interleave(torch.arange(len(query_lens), device=HOST), lens)
+    is_expanded = torch.zeros(len(query_lens), dtype=torch.bool, device=HOST)
+    is_expanded[expanded] = True
+    token_is_expanded = is_expanded[request_of]
+    num_expanded_tokens = int(token_is_expanded.sum())
+    latent = None
+    if num_expanded_tokens < num_tokens:
+        latent = _latent_queries(
+            query_lens, seq_lens, block_rows, request_of, ~token_is_expanded, device
+        )
+    prefills = None
+    if expanded:
+        prefills = _expanded_prefills(
+            query_lens,
+            seq_lens,
+            block_rows,
+            attention.block_size,
+            expanded,
+            token_is_expanded,
+            device,
+        )
+    return MLAMetadata(attention=attention, latent=latent, expanded=prefills)
+
+
+def select_expanded(
+    query_lens: Sequence[int], seq_lens: Sequence[int], expand_budget: int
+) -> list[int]:
+    """The prefill requests (more than one new token) to expand, in batch order, while their
+    contexts add up to at most ``expand_budget`` tokens."""
+    chosen, left = [], expand_budget
+    for index, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        if query_len > 1 and seq_len <= left:
+            chosen.append(index)
+            left -= seq_len
+    return chosen
+
+
+def _token_index(mask: torch.Tensor, device) -> torch.Tensor | None:
+    if bool(mask.all()):
+        return None  # every token: the layer skips the gather and the scatter
+    return mask.nonzero().flatten().to(device)
+
+
+def _latent_queries(query_lens, seq_lens, block_rows, request_of, mask, device) -> LatentQueries:
+    """Each selected token is a row seeing the positions up to its own."""
+    starts = torch.tensor([0, *query_lens], dtype=torch.int64, device=HOST).cumsum(0)
+    seq_len_t = torch.tensor(list(seq_lens), dtype=torch.int64, device=HOST)
+    query_len_t = torch.tensor(list(query_lens), dtype=torch.int64, device=HOST)
+    offset_in_query = torch.arange(len(request_of), device=HOST) - starts[request_of]
+    # The token at offset t of a request with q new tokens sits at position s - q + t.
+    visible = (seq_len_t - query_len_t)[request_of] + offset_in_query + 1
+    requests = request_of[mask]
+    return LatentQueries(
+        token_index=_token_index(mask, device),
+        block_table=block_rows.index_select(0, requests).to(device),
+        seq_lens=visible[mask].to(torch.int32).to(device),
+    )
+
+
+def _expanded_prefills(
+    query_lens, seq_lens, block_rows, block_size, expanded, token_is_expanded, device
+) -> ExpandedPrefills:
+    chosen = torch.tensor(expanded, dtype=torch.int64, device=HOST)
+    context_lens = torch.tensor([seq_lens[i] for i in expanded], dtype=torch.int64, device=HOST)
+    # Every context position of every chosen request, and its cache slot.
+    request_of = torch.repeat_interleave(chosen, context_lens)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=HOST), context_lens.cumsum(0)])
+    owner = torch.repeat_interleave(torch.arange(len(expanded), device=HOST), context_lens)
+    positions = torch.arange(int(context_lens.sum()), device=HOST) - offsets[owner]
+    blocks = block_rows[request_of, positions // block_size].to(torch.int64)
+    slots = blocks * block_size + positions % block_size
+    # Request j's expansion is rows offset_j.. of one flat buffer: with blocks of one token,
+    # its block table is that run of row numbers.
+    width = int(context_lens.max())
+    table = (offsets[:-1, None] + torch.arange(width, device=HOST)[None, :]).to(torch.int32)
+    metadata = build_attention_metadata(
+        [query_lens[i] for i in expanded],
+        [seq_lens[i] for i in expanded],
+        table,
+        1,
+        device,
+    )
+    return ExpandedPrefills(
+        token_index=_token_index(token_is_expanded, device),
+        context_slots=slots.to(device),
+        metadata=metadata,
+    )
