@@ -11,11 +11,18 @@ The two ways one query can attend over the latent cache:
   kernel that sees its own position and the ones before (its causal mask is its length).
 - **Expanded**: the request's whole context is projected up to per-head keys
   ``[k_nope (P) | k_pe (R)]`` and values (V), and the attention backend's paged prefill runs
-  over them. Less arithmetic per query for long prompts (``P + R + V`` per head, against ``2 L
-  + R``), but the expansion takes ``context × heads × (P + R + V)`` elements of scratch. A
-  step expands at most ``expand_budget`` context tokens (the largest step's token count, so
-  the scratch never outgrows what the memory profile measured); prefills past it attend
-  latently.
+  over them. Each query then does less per context token and head (``P + R + V`` against
+  ``2 L + R`` multiply-adds), but the expansion costs ``L (P + V)`` per context token and
+  head whatever the query count, and takes ``context × heads × (P + R + V)`` elements of
+  scratch.
+
+So a prefill expands when its new tokens are enough to repay the expansion
+(``expansion_threshold``: 55 for DeepSeek-V3's geometry) and its context fits what is left of
+the step's ``expand_budget`` (the largest step's token count, so the scratch never outgrows
+what the memory profile measured). ``python -m cluster.bench.mla_prefill`` measures both
+ways: on CPUs (16 heads of DeepSeek-V3, fp32) expanding was about 2x faster for whole prompts
+of 128-1024 tokens and 1.4x for 128 new tokens over 2048, and 2-7x slower for 8-32 new
+tokens over 2-4K, which the threshold reproduces.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.metadata import HOST, AttentionMetadata, build_attention_metadata
+from workers.model_config import MLAConfig
 
 
 @dataclass(frozen=True)
@@ -62,10 +70,11 @@ def build_mla_metadata(
     block_rows: torch.Tensor,
     device: torch.device | str,
     expand_budget: int,
+    min_expanded_query_len: int = 2,
 ) -> MLAMetadata:
     """Split the step's requests between the two paths. ``block_rows`` is the group's
     ``[R, W]`` int32 host table of manager block ids, as ``attention`` was built from."""
-    expanded = select_expanded(query_lens, seq_lens, expand_budget)
+    expanded = select_expanded(query_lens, seq_lens, expand_budget, min_expanded_query_len)
     num_tokens = sum(query_lens)
     lens = torch.tensor(list(query_lens), dtype=torch.int64, device=HOST)
     request_of = torch.repeat_interleave(torch.arange(len(query_lens), device=HOST), lens)
@@ -92,14 +101,37 @@ def build_mla_metadata(
     return MLAMetadata(attention=attention, latent=latent, expanded=prefills)
 
 
+# What one multiply-add in latent space costs in expanded ones: the latent path reads the
+# cache once per query row, the expansion is one matmul. Measured with
+# ``python -m cluster.bench.mla_prefill`` on CPUs; a GPU run of it would retune it there.
+LATENT_COST_RATIO = 2.5
+
+
+def expansion_threshold(mla: MLAConfig) -> int:
+    """The fewest new tokens for which expanding a request's context is cheaper than
+    attending in latent space. Per context token and head, expanding costs ``L (P + V)``
+    once, then ``P + R + V`` per query; the latent path ``2 L + R`` per query, each at
+    ``LATENT_COST_RATIO``. 2 (any prefill) when a latent query is never dearer."""
+    latent, rope = mla.kv_lora_rank, mla.qk_rope_head_dim
+    nope, value = mla.qk_nope_head_dim, mla.v_head_dim
+    saving_per_query = LATENT_COST_RATIO * (2 * latent + rope) - (nope + rope + value)
+    if saving_per_query <= 0:
+        return 2
+    return max(2, int(latent * (nope + value) / saving_per_query) + 1)
+
+
 def select_expanded(
-    query_lens: Sequence[int], seq_lens: Sequence[int], expand_budget: int
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    expand_budget: int,
+    min_query_len: int = 2,
 ) -> list[int]:
-    """The prefill requests (more than one new token) to expand, in batch order, while their
-    contexts add up to at most ``expand_budget`` tokens."""
+    """The requests with at least ``min_query_len`` (and more than one) new tokens to expand,
+    in batch order, while their contexts add up to at most ``expand_budget`` tokens."""
     chosen, left = [], expand_budget
+    min_query_len = max(min_query_len, 2)
     for index, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
-        if query_len > 1 and seq_len <= left:
+        if query_len >= min_query_len and seq_len <= left:
             chosen.append(index)
             left -= seq_len
     return chosen

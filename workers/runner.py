@@ -23,7 +23,7 @@ from workers import defaults
 from workers.block_table import BlockTable
 from workers.forward_context import ForwardContext, set_forward_context
 from workers.mamba_metadata import build_mamba_metadata, plan_align_states, state_slots
-from workers.mla_metadata import build_mla_metadata
+from workers.mla_metadata import build_mla_metadata, expansion_threshold
 from workers.parallel import broadcast_from_first, get_tp_group
 from workers.sampler import Sampler, SamplingRow, TokenLogprobs
 from workers.sampling import SamplingParams
@@ -64,6 +64,8 @@ class ModelRunner:
         self.mamba_backend = mamba_backend
         self.mla_backend = mla_backend
         self.mla_expand_budget = mla_expand_budget
+        mla = model.config.mla
+        self.mla_min_expanded_query_len = 2 if mla is None else expansion_threshold(mla)
         self.config = config
         self.device = torch.device(device)
         self.requests: dict[str, RunnerRequest] = {}
@@ -192,6 +194,7 @@ class ModelRunner:
                 rows,
                 self.device,
                 self.mla_expand_budget,
+                self.mla_min_expanded_query_len,
             )
         num_computed = [s - q for s, q in zip(batch.seq_lens, batch.query_lens, strict=True)]
         num_prompt = [self.requests[r].num_prompt_tokens for r in batch.request_ids]

@@ -124,7 +124,9 @@ def save_nemotron_h(directory: Path, layers, n_groups: int, **overrides) -> Path
 
 
 # A tiny dense DeepSeek-V3 (every layer dense: first_k_dense_replace = num_hidden_layers) with
-# nope, rope and value head sizes all different, so no path may confuse them.
+# nope, rope and value head sizes all different, so no path may confuse them. Its geometry
+# puts the expansion threshold (workers.mla_metadata) at 9 new tokens: prefill chunks of 9 or
+# more expand their context, shorter ones attend in latent space, as decode does.
 DEEPSEEK_V3 = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -132,10 +134,13 @@ DEEPSEEK_V3 = dict(
     num_hidden_layers=2,
     first_k_dense_replace=2,
     num_attention_heads=4,
-    kv_lora_rank=16,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=12,
+    kv_lora_rank=32,
+    qk_nope_head_dim=20,
+    qk_rope_head_dim=6,
+    v_head_dim=14,
+    # No end-of-sequence id: transformers' min_new_tokens would mask it where kvray's
+    # harness (which ignores EOS) takes it, and these models are untrained.
+    eos_token_id=None,
     initializer_range=0.5,
     max_position_embeddings=512,
 )

@@ -1,11 +1,13 @@
 """DeepSeek-V3/V2 (multi-head latent attention): kvray's greedy tokens equal transformers'
 ``generate`` token for token, with only the latent ``[kv_c | k_pe]`` of each token in kvcore's
-cache. The nope (16), rope (8) and value (12) head sizes all differ.
+cache. The nope (20), rope (6) and value (14) head sizes all differ; the latent is 32.
 
 Each case runs the three prompts together (continuous batching: one request decodes while
 others still prefill) in chunks, and compares with transformers run one prompt at a time.
-Decode tokens attend in latent space; prefills expand their context to per-head K/V, or, past
-the step's expansion budget, attend in latent space too (``workers.mla_metadata``).
+Decode tokens attend in latent space; so do prefill chunks of fewer than 9 new tokens (this
+geometry's expansion threshold) and those whose context is past the step's expansion budget;
+longer chunks expand their context to per-head K/V (``workers.mla_metadata``). Chunks of 9 or
+64 take both prefill paths (a prompt's tail chunk is short), chunks of 5-7 only the latent.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ CASES = [
     ("v3/q24", "BLNHC", 1, 5),
     ("v3/q24-yarn-halves", "BLHNC", 1, 64),
     ("v2/q-none", "LBNHC", 1, 6),
-    ("v3/q-none", "BHLNC", 2, 6),
+    ("v3/q-none", "BHLNC", 2, 9),
     ("v3/q24", "LHBNC", 1, 9),
 ]
 
@@ -93,29 +95,34 @@ def test_every_layout_serves(models):
     """One latent head per layer and one page size: every layout expresses it."""
     model_dir, expected = models("v3/q24")
     for layout in KVCacheLayout:
-        outputs = run_in_process(options(model_dir), layout.name, batches(12), chunk=8)
+        outputs = run_in_process(options(model_dir), layout.name, batches(12), chunk=9)
         assert outputs == {rid: tokens[:12] for rid, tokens in expected.items()}, layout.name
 
 
 def test_prefills_past_the_expansion_budget_attend_in_latent_space(models, monkeypatch):
-    """With a budget of 10 context tokens a step, the first chunk of each prompt (7 tokens)
-    expands, the later ones (contexts past 10) attend in latent space, one row per token;
-    the tokens are the same."""
+    """With a budget of 12 context tokens a step, the first 9-token chunk of a prompt expands
+    and its later chunks (contexts past 12) attend in latent space, one row per token; the
+    tokens are the same."""
     model_dir, expected = models("v3/q-none")
-    latent_prefill_rows = []
-    attend_latent = MLAAttention._attend_latent
+    expanded_contexts, latent_rows = [], []
+    attend_latent, attend_expanded = MLAAttention._attend_latent, MLAAttention._attend_expanded
 
-    def counting(self, context, metadata, rows, *args):
-        if metadata.attention.max_query_len > 1:
-            latent_prefill_rows.append(rows.seq_lens.numel())
+    def count_latent(self, context, metadata, rows, *args):
+        latent_rows.append(rows.seq_lens.numel())
         return attend_latent(self, context, metadata, rows, *args)
 
-    monkeypatch.setattr(MLAAttention, "_attend_latent", counting)
-    small = options(model_dir, max_num_batched_tokens=10)
-    assert run_in_process(small, "LBHNC", batches(8), chunk=7) == {
+    def count_expanded(self, context, prefills, *args):
+        expanded_contexts.append(prefills.context_slots.numel())
+        return attend_expanded(self, context, prefills, *args)
+
+    monkeypatch.setattr(MLAAttention, "_attend_latent", count_latent)
+    monkeypatch.setattr(MLAAttention, "_attend_expanded", count_expanded)
+    small = options(model_dir, max_num_batched_tokens=12)
+    assert run_in_process(small, "LBHNC", batches(8), chunk=9) == {
         rid: tokens[:8] for rid, tokens in expected.items()
     }
-    assert max(latent_prefill_rows) > len(PROMPTS)  # prefill tokens, not only decode rows
+    assert max(expanded_contexts) <= 12
+    assert max(latent_rows) >= 9  # a prefill chunk's tokens, not only decode rows
 
 
 def test_preempted_requests_recompute_their_latents(models):
@@ -141,24 +148,25 @@ def test_preempted_requests_recompute_their_latents(models):
 )
 def test_a_prefix_hit_reads_the_cached_latents(models, backend, tp, layout, num_tokens):
     """The second prompt shares 17 tokens with the first: its first 16 (four blocks) come from
-    the cache, and its prefill expands those cached latents with its own."""
+    the cache, and its prefill (11 new tokens) expands those cached latents with its own."""
     model_dir, expected = models("v3/q24")
-    second = [*PROMPTS[0][:17], 90, 91, 92, 93]
+    second = [*PROMPTS[0][:17], 90, 91, 92, 93, 94, 95, 96, 97, 98, 99]
     (second_expected,) = reference_generations(model_dir, [second], num_tokens)
     run = run_in_process if tp == 1 else run_tensor_parallel
     outputs = run(
         options(model_dir, backend=backend, tp=tp),
         layout,
         [[("r0", PROMPTS[0], num_tokens, None)], [("again", second, num_tokens, "r0")]],
-        chunk=5,
+        chunk=12,
     )
     assert outputs == {"r0": expected["r0"][:num_tokens], "again": second_expected}
 
 
 def test_triton_backend_matches_transformers(models):
     """The Triton latent write, split-KV latent decode and paged prefill (the interpreter on
-    CPUs: a short run). Greedy outputs are prefixes of longer ones."""
+    CPUs: a short run): first chunks of 9 expand, later ones (past the budget of 12) and
+    decodes attend in latent space. Greedy outputs are prefixes of longer ones."""
     model_dir, expected = models("v3/q-none")
     small = dataclasses.replace(options(model_dir, backend="triton"), max_num_batched_tokens=12)
-    outputs = run_in_process(small, "BLHNC", batches(5), chunk=7)
+    outputs = run_in_process(small, "BLHNC", batches(5), chunk=9)
     assert outputs == {rid: tokens[:5] for rid, tokens in expected.items()}

@@ -6,7 +6,13 @@ from __future__ import annotations
 import torch
 
 from kernels.metadata import build_attention_metadata
-from workers.mla_metadata import build_mla_metadata, select_expanded
+from workers.mla_metadata import (
+    LATENT_COST_RATIO,
+    build_mla_metadata,
+    expansion_threshold,
+    select_expanded,
+)
+from workers.model_config import MLAConfig
 
 BLOCK = 4
 # A decode (1 new token, 6 in all), a fresh prompt of 5, a decode of 1 over 3 and a prefill
@@ -27,6 +33,30 @@ def test_prefills_expand_in_order_while_their_contexts_fit_the_budget():
     # A context past what is left is skipped; a later one that fits still expands.
     assert select_expanded([1, 5, 1, 3], [6, 13, 3, 12], 12) == [3]
     assert select_expanded(QUERY_LENS, SEQ_LENS, 4) == []  # decodes never expand
+
+
+def test_prefills_with_fewer_new_tokens_than_the_threshold_stay_latent():
+    assert select_expanded(QUERY_LENS, SEQ_LENS, 100, min_query_len=4) == [1]  # 5 new, not 3
+    assert select_expanded(QUERY_LENS, SEQ_LENS, 100, min_query_len=6) == []
+
+
+def mla(latent: int, rope: int, nope: int, value: int) -> MLAConfig:
+    return MLAConfig(
+        kv_lora_rank=latent, q_lora_rank=None, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+        v_head_dim=value, rope_interleave=True, attention_bias=False,
+    )  # fmt: skip
+
+
+def test_the_threshold_is_where_expanding_costs_less():
+    # DeepSeek-V3: expanding costs 512 * 256 per context token and head, and saves
+    # 2.5 * (2 * 512 + 64) - (128 + 64 + 128) = 2400 per query: it pays from 55 queries on.
+    assert LATENT_COST_RATIO == 2.5
+    assert expansion_threshold(mla(512, 64, 128, 128)) == 55
+    assert 54 * 2400 < 512 * 256 < 55 * 2400
+    # The tiny test model (tests/workers/hf_models.py): chunks of 9 or more expand.
+    assert expansion_threshold(mla(32, 6, 20, 14)) == 9
+    # Where a latent query is no dearer than an expanded one, every prefill expands.
+    assert expansion_threshold(mla(4, 2, 16, 16)) == 2
 
 
 def test_the_expanded_context_is_every_cached_position_of_its_requests():
