@@ -7,8 +7,11 @@ The two ways one query can attend over the latent cache:
 - **Latent** (absorbed weights): the nope query is projected into latent space and attends the
   cached latents directly. It reads ``kv_lora_rank + qk_rope_head_dim`` values per cached token
   and head, and needs no memory beyond the query. Every decode token takes it; so does every
-  token of a prefill whose context is too long to expand, each token a row of the decode
-  kernel that sees its own position and the ones before (its causal mask is its length).
+  token of a prefill that does not expand, each token a row of the decode kernel that sees
+  its own position and the ones before (its causal mask is its length). The kernel's split
+  workspace grows with its rows, so the layer runs at most ``max_rows_per_call`` rows at a
+  time: the most decode rows a step can have (``max_num_seqs``), which the memory profile's
+  decode rows measured (to within one: the profile's longest request is among them).
 - **Expanded**: the request's whole context is projected up to per-head keys
   ``[k_nope (P) | k_pe (R)]`` and values (V), and the attention backend's paged prefill runs
   over them. Each query then does less per context token and head (``P + R + V`` against
@@ -27,6 +30,7 @@ tokens over 2-4K, which the threshold reproduces.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,6 +47,7 @@ class LatentQueries:
     token_index: torch.Tensor | None  # [n] int64 rows of the step's tokens; None: all of them
     block_table: torch.Tensor  # [n, W] int32 manager block ids (the token's request's row)
     seq_lens: torch.Tensor  # [n] int32 cached tokens each row sees: its position + 1
+    max_rows_per_call: int  # the most rows one decode-kernel call takes
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,7 @@ def build_mla_metadata(
     device: torch.device | str,
     expand_budget: int,
     min_expanded_query_len: int = 2,
+    max_latent_rows_per_call: int | None = None,
 ) -> MLAMetadata:
     """Split the step's requests between the two paths. ``block_rows`` is the group's
     ``[R, W]`` int32 host table of manager block ids, as ``attention`` was built from."""
@@ -87,6 +93,8 @@ def build_mla_metadata(
         latent = _latent_queries(
             query_lens, seq_lens, block_rows, request_of, ~token_is_expanded, device
         )
+        rows = max_latent_rows_per_call or num_tokens
+        latent = dataclasses.replace(latent, max_rows_per_call=max(rows, 1))
     prefills = None
     if expanded:
         prefills = _expanded_prefills(
@@ -156,6 +164,7 @@ def _latent_queries(query_lens, seq_lens, block_rows, request_of, mask, device) 
         token_index=_token_index(mask, device),
         block_table=block_rows.index_select(0, requests).to(device),
         seq_lens=visible[mask].to(torch.int32).to(device),
+        max_rows_per_call=len(requests),
     )
 
 

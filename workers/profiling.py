@@ -76,7 +76,9 @@ def run_profile_step(
             device,
             mamba_backend=mamba_backend,
             mla_backend=mla_backend,
-            mla_expand_budget=num_tokens,  # the serving budget, so its scratch is measured
+            # The serving limits, so the largest expansion and latent call are measured.
+            mla_expand_budget=num_tokens,
+            mla_max_latent_rows=num_seqs,
         )
         runner.execute(StepPlan(new_requests=_profile_requests(lens, blocks_per_group)))
         return scratch.numel() * scratch.element_size()

@@ -58,12 +58,16 @@ class ModelRunner:
         # The most context tokens an MLA step expands to per-head K/V: the largest step's
         # token count, which the memory profile ran (see workers.mla_metadata).
         mla_expand_budget: int = defaults.MAX_NUM_BATCHED_TOKENS,
+        # The most latent rows one MLA decode-kernel call takes (its workspace grows with
+        # them): the most decode rows a step has, which the memory profile ran.
+        mla_max_latent_rows: int = defaults.MAX_NUM_SEQS,
     ):
         self.model = model
         self.backend = backend
         self.mamba_backend = mamba_backend
         self.mla_backend = mla_backend
         self.mla_expand_budget = mla_expand_budget
+        self.mla_max_latent_rows = mla_max_latent_rows
         mla = model.config.mla
         self.mla_min_expanded_query_len = 2 if mla is None else expansion_threshold(mla)
         self.config = config
@@ -195,6 +199,7 @@ class ModelRunner:
                 self.device,
                 self.mla_expand_budget,
                 self.mla_min_expanded_query_len,
+                self.mla_max_latent_rows,
             )
         num_computed = [s - q for s, q in zip(batch.seq_lens, batch.query_lens, strict=True)]
         num_prompt = [self.requests[r].num_prompt_tokens for r in batch.request_ids]

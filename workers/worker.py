@@ -191,6 +191,7 @@ class Worker:
             mamba_backend=self.mamba_backend,
             mla_backend=self.mla_backend,
             mla_expand_budget=self.options.max_num_batched_tokens,
+            mla_max_latent_rows=self.options.max_num_seqs,
         )
         return self._raw_kv_cache.numel()
 

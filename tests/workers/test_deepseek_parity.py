@@ -16,6 +16,7 @@ import dataclasses
 
 import pytest
 
+from kernels.mla.torch_backend import TorchMLABackend
 from kvcore import KVCacheLayout, decode, encode
 from tests.workers.engine import KV_CACHE_MEMORY, plan_for, run_in_process, run_tensor_parallel
 from tests.workers.harness import StepDriver
@@ -101,10 +102,16 @@ def test_every_layout_serves(models):
 
 def test_prefills_past_the_expansion_budget_attend_in_latent_space(models, monkeypatch):
     """With a budget of 12 context tokens a step, the first 9-token chunk of a prompt expands
-    and its later chunks (contexts past 12) attend in latent space, one row per token; the
-    tokens are the same."""
+    and its later chunks (contexts past 12) attend in latent space, one row per token, at most
+    max_num_seqs (2) rows per kernel call; the tokens are the same."""
     model_dir, expected = models("v3/q-none")
-    expanded_contexts, latent_rows = [], []
+    expanded_contexts, latent_rows, rows_per_call = [], [], []
+    decode = TorchMLABackend.decode
+
+    def count_call(self, q_latent, *args, **kwargs):
+        rows_per_call.append(q_latent.shape[0])
+        return decode(self, q_latent, *args, **kwargs)
+
     attend_latent, attend_expanded = MLAAttention._attend_latent, MLAAttention._attend_expanded
 
     def count_latent(self, context, metadata, rows, *args):
@@ -117,12 +124,14 @@ def test_prefills_past_the_expansion_budget_attend_in_latent_space(models, monke
 
     monkeypatch.setattr(MLAAttention, "_attend_latent", count_latent)
     monkeypatch.setattr(MLAAttention, "_attend_expanded", count_expanded)
-    small = options(model_dir, max_num_batched_tokens=12)
+    monkeypatch.setattr(TorchMLABackend, "decode", count_call)
+    small = options(model_dir, max_num_batched_tokens=12, max_num_seqs=2)
     assert run_in_process(small, "LBHNC", batches(8), chunk=9) == {
         rid: tokens[:8] for rid, tokens in expected.items()
     }
     assert max(expanded_contexts) <= 12
     assert max(latent_rows) >= 9  # a prefill chunk's tokens, not only decode rows
+    assert max(rows_per_call) == 2
 
 
 def test_preempted_requests_recompute_their_latents(models):

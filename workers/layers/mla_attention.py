@@ -70,15 +70,19 @@ class MLAAttention(nn.Module):
         w_uk, w_uv = weights[:, :nope_size], weights[:, nope_size:]  # [H, P, L], [H, V, L]
         q_nope, q_pe = _take(q_nope, rows.token_index), _take(q_pe, rows.token_index)
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [n, H, L]
-        out_latent = context.mla_backend.decode(
-            q_latent,
-            q_pe,
-            self.kv_cache,
-            rows.block_table,
-            rows.seq_lens,
-            metadata.attention.block_size,
-            self.scale,
-        )  # [n, H, L]
+        out_latent = torch.empty_like(q_latent)
+        for start in range(0, q_latent.shape[0], rows.max_rows_per_call):
+            part = slice(start, start + rows.max_rows_per_call)
+            context.mla_backend.decode(
+                q_latent[part],
+                q_pe[part],
+                self.kv_cache,
+                rows.block_table[part],
+                rows.seq_lens[part],
+                metadata.attention.block_size,
+                self.scale,
+                out=out_latent[part],
+            )  # [n, H, L]
         return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def _attend_expanded(
