@@ -30,7 +30,6 @@ tokens over 2-4K, which the threshold reproduces.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -90,11 +89,10 @@ def build_mla_metadata(
     num_expanded_tokens = int(token_is_expanded.sum())
     latent = None
     if num_expanded_tokens < num_tokens:
+        max_rows = max_latent_rows_per_call or num_tokens
         latent = _latent_queries(
-            query_lens, seq_lens, block_rows, request_of, ~token_is_expanded, device
+            query_lens, seq_lens, block_rows, request_of, ~token_is_expanded, device, max_rows
         )
-        rows = max_latent_rows_per_call or num_tokens
-        latent = dataclasses.replace(latent, max_rows_per_call=max(rows, 1))
     prefills = None
     if expanded:
         prefills = _expanded_prefills(
@@ -151,7 +149,9 @@ def _token_index(mask: torch.Tensor, device) -> torch.Tensor | None:
     return mask.nonzero().flatten().to(device)
 
 
-def _latent_queries(query_lens, seq_lens, block_rows, request_of, mask, device) -> LatentQueries:
+def _latent_queries(
+    query_lens, seq_lens, block_rows, request_of, mask, device, max_rows_per_call
+) -> LatentQueries:
     """Each selected token is a row seeing the positions up to its own."""
     starts = torch.tensor([0, *query_lens], dtype=torch.int64, device=HOST).cumsum(0)
     seq_len_t = torch.tensor(list(seq_lens), dtype=torch.int64, device=HOST)
@@ -164,7 +164,7 @@ def _latent_queries(query_lens, seq_lens, block_rows, request_of, mask, device) 
         token_index=_token_index(mask, device),
         block_table=block_rows.index_select(0, requests).to(device),
         seq_lens=visible[mask].to(torch.int32).to(device),
-        max_rows_per_call=len(requests),
+        max_rows_per_call=max_rows_per_call,
     )
 
 
