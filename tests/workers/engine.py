@@ -15,6 +15,23 @@ from workers.worker import Worker, WorkerOptions
 KV_CACHE_MEMORY = 8 << 20
 
 
+def tiny_model_options(model_dir, *, backend: str = "torch", tp: int = 1, **extra):
+    """A tiny checkpoint's worker: 4-token blocks, an 8 MiB cache."""
+    return WorkerOptions(
+        model=str(model_dir),
+        tensor_parallel_size=tp,
+        block_size=4,
+        attention_backend=backend,
+        kv_cache_memory_bytes=KV_CACHE_MEMORY,
+        **extra,
+    )
+
+
+def prompt_batches(prompts, num_tokens: int):
+    """One batch of every prompt at once, request ids r0, r1, ..."""
+    return [[(f"r{i}", p, num_tokens, None) for i, p in enumerate(prompts)]]
+
+
 def plan_for(worker: Worker, layout: str, max_model_len: int = 256) -> KVCacheConfig:
     report = decode(worker.report_specs(), RankReport)
     return get_kv_cache_config(

@@ -18,12 +18,18 @@ import pytest
 
 from kernels.mla.torch_backend import TorchMLABackend
 from kvcore import KVCacheLayout, decode, encode
-from tests.workers.engine import KV_CACHE_MEMORY, plan_for, run_in_process, run_tensor_parallel
+from tests.workers.engine import (
+    plan_for,
+    prompt_batches,
+    run_in_process,
+    run_tensor_parallel,
+    tiny_model_options,
+)
 from tests.workers.harness import StepDriver
 from tests.workers.hf_models import NUM_OUTPUT_TOKENS, PROMPTS, reference_generations, save_deepseek
 from workers.layers.mla_attention import MLAAttention
 from workers.step_plan import StepResult
-from workers.worker import Worker, WorkerOptions
+from workers.worker import Worker
 
 YARN = {
     "rope_type": "yarn",
@@ -57,19 +63,11 @@ def models(tmp_path_factory):
     return get
 
 
-def options(model_dir, *, backend: str = "torch", tp: int = 1, **extra) -> WorkerOptions:
-    return WorkerOptions(
-        model=str(model_dir),
-        tensor_parallel_size=tp,
-        block_size=4,
-        attention_backend=backend,
-        kv_cache_memory_bytes=KV_CACHE_MEMORY,
-        **extra,
-    )
+options = tiny_model_options
 
 
 def batches(num_tokens: int = NUM_OUTPUT_TOKENS):
-    return [[(f"r{i}", p, num_tokens, None) for i, p in enumerate(PROMPTS)]]
+    return prompt_batches(PROMPTS, num_tokens)
 
 
 CASES = [

@@ -16,10 +16,11 @@ from safetensors.torch import load_file
 
 from kvcore import KVCacheGeometryError, KVCacheLayout, KVCacheLayoutError, decode, encode
 from tests.workers.engine import (
-    KV_CACHE_MEMORY,
     plan_for,
+    prompt_batches,
     run_in_process,
     run_tensor_parallel,
+    tiny_model_options,
 )
 from tests.workers.harness import StepDriver
 from tests.workers.hf_models import NUM_OUTPUT_TOKENS, PROMPTS, reference_generations
@@ -29,7 +30,7 @@ from workers.loader import load_state_dict, load_weights
 from workers.model_config import load_model_config
 from workers.models.nemotron_h import NemotronHForCausalLM
 from workers.step_plan import StepResult
-from workers.worker import Worker, WorkerOptions
+from workers.worker import Worker
 
 LIST_FORM = ["full_attention", "linear_attention", "mlp", "linear_attention"]
 MODELS = {
@@ -56,18 +57,11 @@ def models(tmp_path_factory):
     return get
 
 
-def options(model_dir, *, backend: str = "torch", tp: int = 1) -> WorkerOptions:
-    return WorkerOptions(
-        model=str(model_dir),
-        tensor_parallel_size=tp,
-        block_size=4,
-        attention_backend=backend,
-        kv_cache_memory_bytes=KV_CACHE_MEMORY,
-    )
+options = tiny_model_options
 
 
 def batches():
-    return [[(f"r{i}", p, NUM_OUTPUT_TOKENS, None) for i, p in enumerate(PROMPTS)]]
+    return prompt_batches(PROMPTS, NUM_OUTPUT_TOKENS)
 
 
 CASES = [

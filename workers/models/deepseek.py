@@ -19,7 +19,6 @@ from torch import nn
 
 from workers.deepseek_config import mla_softmax_scale
 from workers.kv_specs import attention_layer_name
-from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.linear import (
     ColumnParallelLinear,
     ReplicatedLinear,
@@ -30,7 +29,11 @@ from workers.layers.mla_attention import MLAAttention
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
 from workers.model_config import ModelConfig
-from workers.models.llama import LlamaMLP
+from workers.models.llama import (
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+)
 from workers.parallel import get_tp_group
 
 # transformers builds the latent norms with RMSNorm's default epsilon, not rms_norm_eps.
@@ -104,74 +107,31 @@ class DeepseekAttention(nn.Module):
         return self.o_proj(out)
 
 
-class DeepseekDecoderLayer(nn.Module):
-    def __init__(
-        self,
-        config: ModelConfig,
-        layer_index: int,
-        dtype: torch.dtype,
-        rotary_emb: RotaryEmbedding,
-    ):
-        super().__init__()
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
-        self.self_attn = DeepseekAttention(config, layer_index, dtype, rotary_emb)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype)
-        self.mlp = LlamaMLP(config, dtype)  # dense: gate, up and down, SiLU, no biases
+class DeepseekDecoderLayer(LlamaDecoderLayer):
+    """Llama's layer (pre-norms, residuals, the dense gated SiLU MLP) around MLA."""
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    attention_class = DeepseekAttention
 
 
-class DeepseekModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, dtype=dtype
-        )
-        rotary_emb = RotaryEmbedding(
-            config.mla.qk_rope_head_dim,
+class DeepseekModel(LlamaModel):
+    layer_class = DeepseekDecoderLayer
+
+    @staticmethod
+    def rotary_embedding(config: ModelConfig) -> RotaryEmbedding:
+        mla = config.mla
+        return RotaryEmbedding(
+            mla.qk_rope_head_dim,
             config.rope_theta,
             config.rope_scaling,
-            is_interleaved=config.mla.rope_interleave,
+            is_interleaved=mla.rope_interleave,
         )
-        self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(config, i, dtype, rotary_emb)
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(token_ids)
-        for layer in self.layers:
-            hidden = layer(positions, hidden)
-        return self.norm(hidden)
 
 
-class DeepseekForCausalLM(nn.Module):
+class DeepseekForCausalLM(LlamaForCausalLM):
     """Serves ``DeepseekV2ForCausalLM`` and ``DeepseekV3ForCausalLM`` checkpoints."""
 
+    model_class = DeepseekModel
     packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
-
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
-        super().__init__()
-        self.config = config
-        self.model = DeepseekModel(config, dtype)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype=dtype)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(token_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden).float()
-
-    def kv_cache_layers(self) -> dict[str, MLAAttention]:
-        return {
-            layer.self_attn.attn.layer_name: layer.self_attn.attn for layer in self.model.layers
-        }

@@ -97,6 +97,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_class: ClassVar[type[nn.Module]] = LlamaAttention
+
     def __init__(
         self,
         config: ModelConfig,
@@ -106,7 +108,7 @@ class LlamaDecoderLayer(nn.Module):
     ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.self_attn = LlamaAttention(config, layer_index, dtype, rotary_emb)
+        self.self_attn = self.attention_class(config, layer_index, dtype, rotary_emb)
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype=dtype
         )
@@ -118,16 +120,22 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_class: ClassVar[type[nn.Module]] = LlamaDecoderLayer
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, dtype=dtype
         )
-        rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        rotary_emb = self.rotary_embedding(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype, rotary_emb) for i in range(config.num_hidden_layers)
+            self.layer_class(config, i, dtype, rotary_emb) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+    @staticmethod
+    def rotary_embedding(config: ModelConfig) -> RotaryEmbedding:
+        return RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(token_ids)  # [T, hidden]
@@ -137,6 +145,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    model_class: ClassVar[type[nn.Module]] = LlamaModel
     # Checkpoint projections that live inside one merged parameter here: name -> (ours, shard).
     packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {
         "q_proj": ("qkv_proj", "q"),
@@ -149,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, dtype)
+        self.model = self.model_class(config, dtype)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
