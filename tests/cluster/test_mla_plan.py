@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tests.cluster.test_cli import run
-from tests.workers.hf_models import DEEPSEEK_V3, save_deepseek
+from tests.workers.hf_models import DEEPSEEK_V3
 
 BLOCK = 16  # kvray's default block size
 MEMORY = 8 << 20
@@ -82,16 +82,12 @@ def plan_lines(*args: str) -> list[str]:
     return result.stdout.splitlines()
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_deepseek(tmp_path_factory.mktemp("deepseek_v3"), q_lora_rank=None)
-
-
-@pytest.mark.parametrize("tp", [1, 2])
-def test_plan_shows_the_latent_page_and_the_full_cache_it_replaces(model_dir, tp):
-    lines = plan_lines("--model", str(model_dir), "--kv-cache-memory", "8MiB", "-tp", str(tp))
+def test_plan_shows_the_latent_page_and_the_full_cache_it_replaces(tmp_path):
+    """The tiny test model at TP 2: the latent stays whole, the full cache's heads split."""
     raw = DEEPSEEK_V3 | {"architectures": ["DeepseekV3ForCausalLM"]}
-    expected = expected_lines(raw, tp, 4, MEMORY, DEEPSEEK_V3["max_position_embeddings"])
+    (tmp_path / "config.json").write_text(json.dumps(raw))  # the plan reads no weights
+    lines = plan_lines("--model", str(tmp_path), "--kv-cache-memory", "8MiB", "-tp", "2")
+    expected = expected_lines(raw, 2, 4, MEMORY, DEEPSEEK_V3["max_position_embeddings"])
     index = lines.index(expected[0])
     assert tuple(lines[index : index + 2]) == expected
     for layout in LAYOUTS:  # the latent is one head: every layout expresses it
