@@ -142,6 +142,29 @@ def start_serving(*flags: str) -> tuple[subprocess.Popen, str, str, list[str]]:
     return server, address, base_url, seen
 
 
+def generate_token_ids(model_dir, prompt: list[int], max_tokens: int) -> dict:
+    """``kvray generate --in-process`` of a token-id prompt, greedy: its JSON completion."""
+    result = run(
+        "generate", "--in-process", "--model", str(model_dir),
+        "--prompt-token-ids", ",".join(map(str, prompt)), "--max-tokens", str(max_tokens),
+        "--temperature", "0", "--output", "json", *SMALL,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def serve_twice(model_dir, prompt: list[int], max_tokens: int, *flags: str) -> list:
+    """``kvray serve --model DIR`` answering the same greedy request twice (the second may hit
+    the prefix cache), then SIGTERM, on which it must exit cleanly."""
+    server, address, _, seen = start_serving("--model", str(model_dir), *flags)
+    try:
+        with Client(address, timeout=120) as client:
+            return [client.generate(prompt, max_tokens=max_tokens, temperature=0) for _ in "12"]
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=120) == 0, "".join(seen)
+
+
 def test_serve_generate_then_drain_on_sigterm():
     server, address, base_url, seen = start_serving("-tp", "2", "--drain-timeout", "60")
     try:

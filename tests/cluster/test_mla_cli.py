@@ -4,13 +4,9 @@ command: ``generate`` prints transformers' tokens as JSON (in process; ``serve``
 
 from __future__ import annotations
 
-import json
-import signal
-
 import pytest
 
-from cluster.client import Client
-from tests.cluster.test_cli import SMALL, run, start_serving
+from tests.cluster.test_cli import generate_token_ids, serve_twice
 from tests.workers.hf_models import reference_generations, save_deepseek
 
 # No id below 3 (the tiny DeepSeek-V3's BOS is 0, its EOS 1), and a greedy continuation
@@ -31,37 +27,14 @@ def expected(model_dir):
 
 
 def test_generate_prints_transformers_tokens_as_json(model_dir, expected):
-    result = run(
-        "generate",
-        "--in-process",
-        "--model",
-        str(model_dir),
-        "--prompt-token-ids",
-        ",".join(map(str, PROMPT)),
-        "--max-tokens",
-        str(NUM_TOKENS),
-        "--temperature",
-        "0",
-        "--output",
-        "json",
-        *SMALL,
-    )
-    assert result.returncode == 0, result.stderr
-    completion = json.loads(result.stdout)
+    completion = generate_token_ids(model_dir, PROMPT, NUM_TOKENS)
     assert completion["token_ids"] == expected
     assert completion["usage"]["prompt_tokens"] == len(PROMPT)
 
 
 def test_serve_at_tp2_answers_and_reuses_the_latents_of_a_repeated_prompt(model_dir, expected):
-    server, address, _, seen = start_serving("--model", str(model_dir), "-tp", "2")
-    try:
-        with Client(address, timeout=120) as client:
-            first = client.generate(PROMPT, max_tokens=NUM_TOKENS, temperature=0)
-            again = client.generate(PROMPT, max_tokens=NUM_TOKENS, temperature=0)
-        assert first.token_ids == again.token_ids == expected
-        # The last prompt token is always computed, so the hit is every full block of the
-        # default 16 tokens before it: (150 - 1) // 16 * 16 = 144 tokens of cached latents.
-        assert (first.usage.cached_prompt_tokens, again.usage.cached_prompt_tokens) == (0, 144)
-    finally:
-        server.send_signal(signal.SIGTERM)
-        assert server.wait(timeout=120) == 0, "".join(seen)
+    first, again = serve_twice(model_dir, PROMPT, NUM_TOKENS, "-tp", "2")
+    assert first.token_ids == again.token_ids == expected
+    # The last prompt token is always computed, so the hit is every full block of the
+    # default 16 tokens before it: (150 - 1) // 16 * 16 = 144 tokens of cached latents.
+    assert (first.usage.cached_prompt_tokens, again.usage.cached_prompt_tokens) == (0, 144)
