@@ -221,6 +221,8 @@ def add_in_process_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def add_bench_parser(commands, common) -> None:
+    from cluster.bench.deepseek_checkpoint import DEFAULT_LAYERS as DEEPSEEK_LAYERS
+    from cluster.bench.deepseek_checkpoint import DEFAULT_Q_LORA_RANK as DEEPSEEK_Q_LORA_RANK
     from cluster.bench.hybrid_checkpoint import DEFAULT_PATTERN
     from cluster.bench.workload import parse_lengths, parse_range
 
@@ -329,6 +331,27 @@ def add_bench_parser(commands, common) -> None:
         help=f"one letter a layer: M Mamba-2, * attention, - MLP (default {DEFAULT_PATTERN})",
     )
     make_hybrid.add_argument("--seed", type=int, default=0)
+
+    make_deepseek = modes.add_parser(
+        "make-deepseek",
+        parents=[common],
+        help="write a random-weight ~16M-parameter dense DeepSeek-V3 (multi-head latent "
+        "attention) checkpoint (needs transformers)",
+    )
+    make_deepseek.add_argument("output_dir", help="a new or empty directory")
+    make_deepseek.add_argument(
+        "--layers",
+        type=int,
+        default=DEEPSEEK_LAYERS,
+        help=f"decoder layers, each MLA and a dense MLP (default {DEEPSEEK_LAYERS})",
+    )
+    make_deepseek.add_argument(
+        "--q-lora-rank",
+        type=int,
+        default=DEEPSEEK_Q_LORA_RANK,
+        help=f"the query's low-rank width; 0 for a plain q_proj (default {DEEPSEEK_Q_LORA_RANK})",
+    )
+    make_deepseek.add_argument("--seed", type=int, default=0)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -172,6 +172,8 @@ def bench(args) -> int:
 
     if args.mode == "make-hybrid":
         return modes.make_hybrid(args)
+    if args.mode == "make-deepseek":
+        return modes.make_deepseek(args)
     if args.mode == "serve":
         rows = modes.serve(args)
     else:

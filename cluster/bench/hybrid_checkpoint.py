@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cluster.bench.random_checkpoint import save_random_checkpoint
 from workers.tokenizer import ByteTokenizer
 
 # Twelve layers: six Mamba, four MLP, two attention, the order of NemotronH-8B's pattern.
@@ -52,17 +53,6 @@ def save_hybrid_checkpoint(directory: str | Path, pattern: str = DEFAULT_PATTERN
         raise ValueError(
             f"--pattern {pattern!r}: one letter a layer, each of {', '.join(PATTERN_LETTERS)}"
         )
-    import torch
-
-    try:
-        from transformers import NemotronHConfig, NemotronHForCausalLM
-    except ImportError:
-        raise ValueError(
-            "make-hybrid builds the checkpoint with transformers' NemotronH (pip install "
-            "'transformers>=5')"
-        ) from None
-    config = NemotronHConfig(**HYBRID_20M, hybrid_override_pattern=pattern)
-    torch.manual_seed(seed)
-    model = NemotronHForCausalLM(config).eval()
-    model.save_pretrained(directory)
-    return sum(p.numel() for p in model.parameters())
+    return save_random_checkpoint(
+        directory, "NemotronH", HYBRID_20M | {"hybrid_override_pattern": pattern}, seed
+    )

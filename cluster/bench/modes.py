@@ -170,12 +170,31 @@ def decode(config: EngineConfig, args) -> list[dict]:
     return decode_cost(config, args)
 
 
+def make_deepseek(args) -> int:
+    from cluster.bench.deepseek_checkpoint import save_deepseek_checkpoint
+
+    directory = _new_directory(args.output_dir)
+    q_lora_rank = args.q_lora_rank or None
+    num_params = save_deepseek_checkpoint(directory, args.layers, q_lora_rank, args.seed)
+    print(
+        f"DeepSeek-V3 checkpoint (dense, MLA), {args.layers} layers, q_lora_rank "
+        f"{q_lora_rank}, {num_params / 1e6:.1f}M parameters, random weights (seed "
+        f"{args.seed}): {directory}"
+    )
+    return 0
+
+
+def _new_directory(path: str) -> Path:
+    directory = Path(path)
+    if directory.exists() and any(directory.iterdir()):
+        raise ValueError(f"{directory} is not empty: give a new or empty directory")
+    return directory
+
+
 def make_hybrid(args) -> int:
     from cluster.bench.hybrid_checkpoint import save_hybrid_checkpoint
 
-    directory = Path(args.output_dir)
-    if directory.exists() and any(directory.iterdir()):
-        raise ValueError(f"{directory} is not empty: give a new or empty directory")
+    directory = _new_directory(args.output_dir)
     num_params = save_hybrid_checkpoint(directory, args.pattern, args.seed)
     print(
         f"NemotronH checkpoint, layers {args.pattern}, {num_params / 1e6:.1f}M parameters, "
