@@ -54,15 +54,20 @@ def create_kv_cache_views(
     block_stride = kv_cache_tensor.block_stride
     shape_bytes = compute_layer_kv_cache_shape_bytes(spec, num_blocks, kernel_block_size)
     ratio = shape_bytes[0] // num_blocks if num_blocks else 1
+    layer_stride = kv_cache_tensor.layer_stride
     if ratio > 1:
         block_stride = _kernel_block_stride(spec, layout, block_stride, ratio, kernel_block_size)
+        if num_layers == 1:
+            # A lone layer's stride addresses nothing, but a layout with heads outside the layer
+            # axis (BHLNC) would scale the heads from the manager block's: the kernel block's own.
+            layer_stride = None
     strides = compute_layout_strides(
         spec,
         num_blocks,
         num_layers,
         layout,
         kernel_block_size,
-        fixed_strides=(kv_cache_tensor.layer_stride, block_stride, None, None, None),
+        fixed_strides=(layer_stride, block_stride, None, None, None),
     )
     shape = (num_layers, *shape_bytes)
     end = kv_cache_tensor.offset + max_byte_extent(shape, strides)

@@ -15,7 +15,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvcore import (
@@ -196,6 +196,18 @@ def kernel_block_sizes(spec) -> list[int]:
 
 @settings(max_examples=150, deadline=None)
 @given(case=geometry)
+@example(  # heads outside the layer axis, one layer: the split's heads once overran the page
+    case={
+        "spec": FullAttentionSpec(
+            block_size=2, num_kv_heads=2, head_size=1, head_size_v=0, dtype="bfloat16"
+        ),
+        "layout": KVCacheLayout.BHLNC,
+        "num_layers": 1,
+        "num_blocks": 1,
+        "offset": 0,
+        "outer_pad": 0,
+    }
+)
 def test_kernel_block_splits_address_the_same_bytes(case):
     """A split is allowed only over dense pages; then kernel block k of manager block b is the
     k-th equal slice of b's page, and the kernel blocks of b cover exactly b's bytes."""
