@@ -150,11 +150,8 @@ def save_deepseek(
     directory: Path, *, q_lora_rank: int | None, version: int = 3, **overrides
 ) -> Path:
     """A tiny dense DeepSeek-V3 (or V2: the same MLA, complex-number RoPE) saved in fp32."""
-    import transformers
+    from cluster.bench.random_checkpoint import save_random_checkpoint
 
-    config_class = getattr(transformers, f"DeepseekV{version}Config")
-    model_class = getattr(transformers, f"DeepseekV{version}ForCausalLM")
-    config = config_class(**(DEEPSEEK_V3 | overrides), q_lora_rank=q_lora_rank)
-    torch.manual_seed(0)
-    model_class(config).eval().save_pretrained(directory)
+    config = DEEPSEEK_V3 | overrides | {"q_lora_rank": q_lora_rank}
+    save_random_checkpoint(directory, f"DeepseekV{version}", config, seed=0)
     return directory
