@@ -1,7 +1,8 @@
 """Turning what a front end received into an engine request, or refusing it before anything
-is scheduled: sampling fields over the model's defaults, the prompt tokenized (long prompts off
-the event loop, so health checks and other streams keep going) and checked against the
-model's limits."""
+is scheduled: sampling fields over the model's defaults, checked against the shared table of
+field limits (``workers.request_limits``) with this model's vocabulary and context; the prompt
+checked as text, tokenized (long prompts off the event loop, so health checks and other
+streams keep going) and checked against the model's limits."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ from cluster.validation import (
     InvalidRequestError,
     check_prompt_len,
     check_prompt_text,
+    check_text,
     check_token_ids,
     resolve_max_tokens,
 )
 from kvcore.kv_request import KVRequest
+from workers.request_limits import ModelLimits, RequestFieldError, check_sampling_fields
 from workers.sampling import SamplingParams
 from workers.tokenizer import Tokenizer
 
@@ -31,15 +34,20 @@ class Admission:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.limits = ModelLimits(vocab_size=vocab_size, max_model_len=max_model_len)
         self.default_sampling: dict = {}  # the model's generation defaults, by field name
         self._arrivals = itertools.count()
 
     def sampling_params(self, fields: dict) -> SamplingParams:
         """A request's sampling: the fields it sets over the model's defaults (its
         generation_config.json), checked; InvalidRequestError with what is allowed otherwise."""
+        merged = {**self.default_sampling, **fields}
         try:
-            return SamplingParams(**{**self.default_sampling, **fields})
-        except (ValueError, TypeError) as exc:
+            check_sampling_fields(merged, self.limits)
+            return SamplingParams(**merged)
+        except RequestFieldError as exc:
+            raise InvalidRequestError.of(exc) from None
+        except (ValueError, TypeError) as exc:  # an unknown field, a value of the wrong type
             raise InvalidRequestError(str(exc)) from None
 
     async def request(
@@ -53,6 +61,9 @@ class Admission:
     ) -> EngineRequest:
         """A checked request. ``cache_salt`` confines its prefix-cache hits to requests with
         the same salt (a tenant's own)."""
+        for field, text in (("request_id", request_id), ("cache_salt", cache_salt)):
+            if text is not None:
+                check_text(text, field)
         token_ids = await self._token_ids(prompt)
         check_prompt_len(len(token_ids), self.max_model_len)
         sampling = resolve_max_tokens(sampling, len(token_ids), self.max_model_len)
@@ -71,7 +82,7 @@ class Admission:
     async def _token_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if not isinstance(prompt, str):
             token_ids = list(prompt)
-            check_token_ids(token_ids, self.vocab_size, "Prompt token ids")
+            check_token_ids(token_ids, self.vocab_size)
             return token_ids
         check_prompt_text(prompt, self.max_model_len, self.tokenizer.max_chars_per_token)
         try:

@@ -9,6 +9,8 @@ import math
 
 import msgspec
 
+from workers.request_limits import ModelLimits, RequestFieldError, check_sampling_fields
+
 DEFAULT_MAX_TOKENS = 16  # when a request does not say (clipped to what fits the model)
 # Positive temperatures below this are raised to it, as vLLM does: logits divided by less can
 # overflow fp32 (a subnormal temperature turns every logit into inf, and softmax into NaN).
@@ -16,7 +18,6 @@ MIN_TEMPERATURE = 1e-2
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 1024  # all stop strings together
 MAX_STOP_TOKEN_IDS = 256
-MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI's do
 
 
@@ -37,9 +38,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        # Integer and text fields by the shared table, with the wire's limits; admission has
+        # already applied the model's (cluster.admission).
+        check_sampling_fields(msgspec.structs.asdict(self), ModelLimits())
         problem = _first_problem(self)
         if problem is not None:
-            raise ValueError(problem)
+            field, message = problem
+            raise RequestFieldError(message, field)
 
     @property
     def is_greedy(self) -> bool:
@@ -56,37 +61,34 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 SAMPLING_FIELDS: tuple[str, ...] = SamplingParams.__struct_fields__
 
 
-def _first_problem(p: SamplingParams) -> str | None:
-    """What is wrong with ``p``, said with what is allowed; None when nothing is."""
-    if p.max_tokens is not None and p.max_tokens < 1:
-        return f"max_tokens must be at least 1, got {p.max_tokens}"
+def _first_problem(p: SamplingParams) -> tuple[str, str] | None:
+    """(field, what is wrong with it, said with what is allowed) for ``p``'s first problem
+    beyond its integer and text ranges; None when there is none."""
     if not math.isfinite(p.temperature) or p.temperature < 0:
-        return (
+        return "temperature", (
             f"temperature must be 0 (greedy) or a finite positive number, got {p.temperature} "
             f"(values below {MIN_TEMPERATURE} are raised to {MIN_TEMPERATURE})"
         )
     if not (math.isfinite(p.top_p) and 0 < p.top_p <= 1):
-        return f"top_p must be in (0, 1], got {p.top_p}"
-    if p.top_k < -1:
-        return f"top_k must be -1, 0 (disabled) or positive, got {p.top_k}"
+        return "top_p", f"top_p must be in (0, 1], got {p.top_p}"
     if len(p.stop) > MAX_STOP_STRINGS:
-        return f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(p.stop)}"
+        return "stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(p.stop)}"
     if any(not s for s in p.stop):
-        return "stop strings must not be empty"
+        return "stop", "stop strings must not be empty"
     if sum(len(s) for s in p.stop) > MAX_STOP_CHARS:
-        return f"stop strings may hold at most {MAX_STOP_CHARS} characters together"
+        return "stop", f"stop strings may hold at most {MAX_STOP_CHARS} characters together"
     if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        return f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed"
+        return "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed"
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(p, name)
         if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
-            return f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}"
+            return name, f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}"
     if not (math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0):
-        return f"repetition_penalty must be a finite positive number, got {p.repetition_penalty}"
-    if p.min_tokens < 0:
-        return f"min_tokens must be >= 0, got {p.min_tokens}"
+        return "repetition_penalty", (
+            f"repetition_penalty must be a finite positive number, got {p.repetition_penalty}"
+        )
     if p.max_tokens is not None and p.min_tokens > p.max_tokens:
-        return f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})"
-    if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
-        return f"logprobs must be between 0 and {MAX_LOGPROBS}, got {p.logprobs}"
+        return "min_tokens", (
+            f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})"
+        )
     return None

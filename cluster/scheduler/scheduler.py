@@ -39,6 +39,23 @@ class ScheduledStep:
         return not (self.scheduled or self.plan.finished_ids or self.plan.preempted_ids)
 
 
+def new_request_message(
+    request: EngineRequest, block_ids: list[list[int]], num_new_tokens: int
+) -> NewRequest:
+    """What the workers first learn of ``request``: everything user-supplied that reaches
+    them (id, token ids, sampling) travels here."""
+    kv = request.kv
+    return NewRequest(
+        request_id=request.request_id,
+        token_ids=list(kv.token_ids),
+        num_prompt_tokens=kv.num_prompt_tokens,
+        sampling=request.sampling,
+        block_ids=block_ids,
+        num_computed_tokens=kv.num_computed_tokens,
+        num_new_tokens=num_new_tokens,
+    )
+
+
 class Scheduler:
     def __init__(self, coordinator: KVCacheCoordinator, config: SchedulerConfig):
         self.coordinator = coordinator
@@ -186,17 +203,8 @@ class Scheduler:
                     )
                 )
             else:
-                new_requests.append(
-                    NewRequest(
-                        request_id=request.request_id,
-                        token_ids=list(kv.token_ids),
-                        num_prompt_tokens=kv.num_prompt_tokens,
-                        sampling=request.sampling,
-                        block_ids=self.coordinator.get_block_ids(kv),
-                        num_computed_tokens=kv.num_computed_tokens,
-                        num_new_tokens=num_new,
-                    )
-                )
+                block_ids = self.coordinator.get_block_ids(kv)
+                new_requests.append(new_request_message(request, block_ids, num_new))
                 request.is_on_workers = request.was_sent = True
             kv.num_computed_tokens += num_new
             if kv.num_computed_tokens == request.num_known_tokens:

@@ -94,7 +94,7 @@ def generate_requests(draw) -> bytes:
             setattr(sampling, name, draw(values))
     stops = mostly(st.lists(texts.filter(bool), max_size=3), st.lists(texts, max_size=40))
     sampling.stop.extend(draw(stops))
-    sampling.stop_token_ids.extend(draw(st.lists(int64s, max_size=5)))
+    sampling.stop_token_ids.extend(draw(st.lists(mostly(st.integers(0, 257), int64s), max_size=5)))
     sampling.ignore_eos = draw(st.booleans())
     request.cache_salt = draw(st.one_of(st.just(""), texts))
     payload = request.SerializeToString()
