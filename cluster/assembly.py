@@ -84,7 +84,14 @@ def build_server(config: EngineConfig, engine: AsyncEngine, kv_config: KVCacheCo
         kv_config,
         engine.vocab_size,
     )
-    return ApiServer(engine, info, host=config.host, port=config.port, api_key=config.api_key)
+    return ApiServer(
+        engine,
+        info,
+        host=config.host,
+        port=config.port,
+        api_key=config.api_key,
+        max_request_bytes=config.max_request_body_bytes,
+    )
 
 
 @dataclass

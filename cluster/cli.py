@@ -157,6 +157,13 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
         "HTTP /v1 routes",
     )
     g.add_argument(
+        "--max-request-body",
+        default=None,
+        help="the largest request either API reads, e.g. 8MiB: bigger HTTP bodies get 413 "
+        "before they are parsed, bigger gRPC messages RESOURCE_EXHAUSTED (default "
+        f"{engine_default('max_request_body_bytes') >> 20}MiB)",
+    )
+    g.add_argument(
         "--max-rebuild-attempts",
         type=int,
         default=None,
@@ -205,6 +212,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "served_model_name": getattr(args, "served_model_name", None),
         "drain_timeout_s": getattr(args, "drain_timeout", None),
         "max_rebuild_attempts": getattr(args, "max_rebuild_attempts", None),
+        "max_request_body_bytes": parse_bytes(getattr(args, "max_request_body", None)),
     }
     # http_port None means "off": it is given, not left out, whenever the command has the flag.
     keep = {"http_port"} if hasattr(args, "http_port") else set()

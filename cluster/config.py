@@ -34,6 +34,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     http_port: int | None = None  # the OpenAI-compatible HTTP API; None: off (kvray serve: 8000)
     served_model_name: str | None = None  # the model's name in the APIs; None: from --model
     api_key: str | None = None
+    # The largest request either API reads (HTTP bodies: 413 past it; gRPC messages:
+    # RESOURCE_EXHAUSTED); 4 MiB is gRPC's own default and more than any context holds as text.
+    max_request_body_bytes: int = 4 << 20
     placement_strategy: str = "PACK"
     placement_timeout_s: float = 120.0
     use_gpu: bool | None = None  # None: when the Ray cluster has GPUs
@@ -57,6 +60,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             "cpus_per_worker": self.cpus_per_worker is None or self.cpus_per_worker >= 1,
             "port": 0 <= self.port < 65536,
             "http_port": self.http_port is None or 0 <= self.http_port < 65536,
+            "max_request_body_bytes": self.max_request_body_bytes >= 1,
             "placement_strategy": self.placement_strategy
             in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
         }

@@ -1,8 +1,8 @@
 """The gRPC edge: converts messages and delegates to the engine; one table maps the engine's
 errors to status codes. Binds 127.0.0.1 unless told otherwise; with an API key, every call
 except the health service needs ``authorization: Bearer <key>``. Requests larger than
-``MAX_REQUEST_BYTES`` and messages that do not parse are refused as INVALID_ARGUMENT / the
-transport's RESOURCE_EXHAUSTED, before any engine work."""
+``--max-request-body`` and messages that do not parse are refused as the transport's
+RESOURCE_EXHAUSTED / INVALID_ARGUMENT, before any engine work."""
 
 from __future__ import annotations
 
@@ -32,7 +32,6 @@ SERVICE_NAME = "kvray.v1.Engine"
 OPTIONAL_FIELDS = frozenset(
     field.name for field in pb.SamplingParams.DESCRIPTOR.fields if field.has_presence
 ) - {"stop", "stop_token_ids"}
-MAX_REQUEST_BYTES = 4 << 20  # a longer prompt would not fit any context kvray serves as text
 # The engine's errors as gRPC status codes (subclasses first).
 STATUS_CODES: list[tuple[type[Exception], grpc.StatusCode]] = [
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -116,7 +115,9 @@ class EngineServicer(pb_grpc.EngineServicer):
                 messages = [
                     {"role": m.role, "content": m.content} for m in request.conversation.messages
                 ]
-                prompt = await chat_prompt(self.engine.tokenizer, messages)
+                prompt = await chat_prompt(
+                    self.engine.tokenizer, messages, max_model_len=self.engine.max_model_len
+                )
             else:
                 prompt = request.text if kind == "text" else list(request.token_ids.ids)
             engine_request = await self.engine.prepare(
@@ -211,12 +212,19 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 class ApiServer:
     def __init__(
-        self, engine: AsyncEngine, info: dict, *, host: str, port: int, api_key: str | None = None
+        self,
+        engine: AsyncEngine,
+        info: dict,
+        *,
+        host: str,
+        port: int,
+        api_key: str | None,
+        max_request_bytes: int,
     ):
         interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
         self.server = grpc.aio.server(
             interceptors=interceptors,
-            options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)],
+            options=[("grpc.max_receive_message_length", max_request_bytes)],
         )
         add_engine_service(self.server, EngineServicer(engine, info))
         self.health = health.aio.HealthServicer()

@@ -4,6 +4,11 @@
 Templates come from the Hub and are untrusted code, so they run in Jinja's immutable sandbox,
 with the same globals, filters and extensions transformers gives them (templates are written
 against transformers, so any difference shows up as a wrong prompt).
+
+A message's content may be a string or OpenAI's list of text parts. A template that iterates
+over a message's content gets the parts as they are; any other template expects a string, so
+the parts' texts reach it joined by newlines (as vLLM joins them), and it renders what
+transformers renders for that string.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ def render_chat(
     ``extra`` wins over a special token of the same name, as in transformers."""
     chat = _checked_messages(messages)
     compiled = _compile(template)
+    if not reads_content_parts(template):
+        chat = [_joined_parts(message) for message in chat]
     variables = {"tools": None, "documents": None, **special_tokens, **extra}
     variables |= {"messages": chat, "add_generation_prompt": add_generation_prompt}
     try:
@@ -88,6 +95,58 @@ def _check_content(index: int, message: dict) -> None:
         f'messages[{index}] "content" must be a string or a list of '
         f'{{"type": "text", "text": ...}} parts, got {content!r}'
     )
+
+
+def _joined_parts(message: dict) -> dict:
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    return {**message, "content": "\n".join(part["text"] for part in content)}
+
+
+@lru_cache(maxsize=16)
+def reads_content_parts(template: str) -> bool:
+    """Whether ``template`` loops over a message's content (``{% for part in
+    message['content'] %}``, directly or through a variable set from it), which is how a
+    template that takes OpenAI's list of parts reads them."""
+    try:
+        tree = _environment().parse(template)
+    except jinja2.TemplateError:
+        return False  # rendering will say why it does not compile
+    content_names = {
+        target.name
+        for assign in tree.find_all(jinja2.nodes.Assign)
+        if _reads_content(assign.node)
+        for target in _assigned_names(assign.target)
+    }
+    return any(
+        _reads_content(loop.iter)
+        or any(name.name in content_names for name in _names_in(loop.iter))
+        for loop in tree.find_all(jinja2.nodes.For)
+    )
+
+
+def _reads_content(node: jinja2.nodes.Node) -> bool:
+    """Whether ``node`` is or contains ``x.content`` or ``x['content']``."""
+    candidates = [node, *node.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem))]
+    for candidate in candidates:
+        if isinstance(candidate, jinja2.nodes.Getattr) and candidate.attr == "content":
+            return True
+        if (
+            isinstance(candidate, jinja2.nodes.Getitem)
+            and isinstance(candidate.arg, jinja2.nodes.Const)
+            and candidate.arg.value == "content"
+        ):
+            return True
+    return False
+
+
+def _names_in(node: jinja2.nodes.Node) -> list[jinja2.nodes.Name]:
+    return [node] if isinstance(node, jinja2.nodes.Name) else list(node.find_all(jinja2.nodes.Name))
+
+
+def _assigned_names(target: jinja2.nodes.Node) -> list[jinja2.nodes.Name]:
+    return [name for name in _names_in(target) if name.ctx == "store"]
 
 
 @lru_cache(maxsize=16)

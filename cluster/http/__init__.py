@@ -12,7 +12,11 @@ async def start_http_server(config, engine, max_model_len: int, model_name: str)
     from cluster.http.server import HttpServer
 
     app = build_app(
-        engine, model_name=model_name, api_key=config.api_key, max_model_len=max_model_len
+        engine,
+        model_name=model_name,
+        api_key=config.api_key,
+        max_model_len=max_model_len,
+        max_request_bytes=config.max_request_body_bytes,
     )
     server = HttpServer(app, host=config.host, port=config.http_port)
     await server.start()

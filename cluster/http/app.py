@@ -6,31 +6,24 @@ none), as with vLLM. Errors are OpenAI error bodies, statuses from ``cluster.htt
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import AsyncIterator
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cluster.chat import chat_prompt
 from cluster.engine import AsyncEngine
+from cluster.http.auth import ApiKeyMiddleware
+from cluster.http.body import read_request
 from cluster.http.choices import Choice, collect_choices, prepare_choices, stream_choices
-from cluster.http.errors import (
-    HANDLED,
-    ModelNotFoundError,
-    UnauthorizedError,
-    error_body,
-    error_response,
-    status_of,
-)
+from cluster.http.disconnect import unless_disconnected
+from cluster.http.errors import ModelNotFoundError, error_of, install_error_handlers
 from cluster.http.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.http.responses import ResponseWriter, sse
-from cluster.validation import InvalidRequestError
 
-MISSING_KEY = "Missing or wrong API key: send 'Authorization: Bearer <key>'."
+CLIENT_GONE = 499  # the status nobody reads: the client disconnected before the answer
 
 
 def kvray_version() -> str:
@@ -41,29 +34,24 @@ def kvray_version() -> str:
 
 
 def build_app(
-    engine: AsyncEngine, *, model_name: str, api_key: str | None, max_model_len: int
+    engine: AsyncEngine,
+    *,
+    model_name: str,
+    api_key: str | None,
+    max_model_len: int,
+    max_request_bytes: int,
 ) -> FastAPI:
     app = FastAPI(title="kvray", version=kvray_version(), docs_url=None, redoc_url=None)
-    created = int(time.time())
-    expected_key = f"Bearer {api_key}".encode() if api_key else None
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    install_error_handlers(app)
+    add_probe_routes(app, engine)
+    add_openai_routes(app, engine, model_name, max_model_len, max_request_bytes)
+    return app
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if expected_key is not None and request.url.path.startswith("/v1/"):
-            sent = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(sent, expected_key):
-                return error_response(UnauthorizedError(MISSING_KEY))
-        return await call_next(request)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, exc: RequestValidationError):
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()
-        )
-        return error_response(InvalidRequestError(f"Invalid request: {problems}"))
-
-    for kind in HANDLED:
-        app.add_exception_handler(kind, lambda request, exc: error_response(exc))
+def add_probe_routes(app: FastAPI, engine: AsyncEngine) -> None:
+    """What probes and scrapers read, with no API key."""
 
     @app.get("/health")
     async def health():
@@ -78,6 +66,12 @@ def build_app(
         body = engine.metrics.render() if engine.metrics is not None else b""
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+
+def add_openai_routes(
+    app: FastAPI, engine: AsyncEngine, model_name: str, max_model_len: int, max_request_bytes: int
+) -> None:
+    created = int(time.time())
+
     @app.get("/v1/models")
     async def models():
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "kvray",
@@ -90,22 +84,25 @@ def build_app(
                                      f"`{model_name}` (GET /v1/models).")  # fmt: skip
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(request: Request):
+        body = await read_request(request, CompletionRequest, max_request_bytes)
         check_model(body.model)
         body.refuse_unsupported()
         requests = await prepare_choices(
             engine, body.prompts(), body.sampling_fields(body.logprobs), body.n, body.cache_salt
         )
         writer = ResponseWriter("completion", model_name, engine.tokenizer)
-        return await respond(engine, writer, requests, body.n, body.stream, body.include_usage)
+        return await respond(request, engine, writer, requests, body)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(request: Request):
+        body = await read_request(request, ChatCompletionRequest, max_request_bytes)
         check_model(body.model)
         body.refuse_unsupported()
         prompt = await chat_prompt(
             engine.tokenizer,
             body.conversation(),
+            max_model_len=max_model_len,
             add_generation_prompt=body.add_generation_prompt,
             template_kwargs=body.chat_template_kwargs or {},
         )
@@ -113,16 +110,21 @@ def build_app(
             engine, [prompt], body.sampling_fields(), body.n, body.cache_salt
         )
         writer = ResponseWriter("chat", model_name, engine.tokenizer)
-        return await respond(engine, writer, requests, body.n, body.stream, body.include_usage)
-
-    return app
+        return await respond(request, engine, writer, requests, body)
 
 
-async def respond(engine, writer: ResponseWriter, requests, n: int, stream: bool, usage: bool):
-    if not stream:
-        return JSONResponse(writer.response(await collect_choices(engine, requests, n), n))
-    events = stream_events(engine, writer, requests, n, usage)
-    first = await anext(events)  # refusals (a full queue...) become statuses, not 200s
+async def respond(request: Request, engine, writer: ResponseWriter, requests, body):
+    n = body.n
+    if not body.stream:
+        answered, choices = await unless_disconnected(request, collect_choices(engine, requests, n))
+        if not answered:
+            return Response(status_code=CLIENT_GONE)
+        return JSONResponse(writer.response(choices, n))
+    events = stream_events(engine, writer, requests, n, body.include_usage)
+    # Refusals (a full queue...) before the first event become statuses, not 200s.
+    answered, first = await unless_disconnected(request, anext(events))
+    if not answered:
+        return Response(status_code=CLIENT_GONE)
     return StreamingResponse(_chain(first, events), media_type="text/event-stream")
 
 
@@ -141,11 +143,10 @@ async def stream_events(engine, writer: ResponseWriter, requests, n: int, includ
                 index, output.text, output.token_ids, output.logprobs, output.finish_reason,
                 is_first,
             )  # fmt: skip
-    except HANDLED as exc:
+    except Exception as exc:
         if not started:
             raise
-        status, kind = status_of(exc)
-        yield sse(error_body(str(exc), status, kind))
+        yield sse(error_of(exc)[1])
     if include_usage:
         yield writer.usage_chunk(choices, n)
     yield sse("[DONE]")

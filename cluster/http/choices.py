@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from cluster.engine import AsyncEngine, RequestOutput
 from cluster.scheduler.request import EngineRequest
+from workers.request_limits import INT64_MIN
 from workers.sampler import TokenLogprobs
 
 _DONE = object()
@@ -49,17 +50,27 @@ async def prepare_choices(
     n: int,
     cache_salt: str | None,
 ) -> list[EngineRequest]:
-    """One engine request per prompt x n, in choice order. With a seed, choice i of a prompt
-    draws with seed + i, so the choices differ and the response is reproducible."""
+    """One engine request per prompt x n, in choice order, each prompt tokenized once. With a
+    seed, choice i of a prompt draws with seed + i (wrapping within 64 bits), so the choices
+    differ and the response is reproducible."""
+    samplings = [engine.sampling_params(choice_fields(sampling_fields, i)) for i in range(n)]
     requests = []
     for prompt in prompts:
-        for i in range(n):
-            fields = dict(sampling_fields)
-            if n > 1 and fields.get("seed") is not None:
-                fields["seed"] += i
-            sampling = engine.sampling_params(fields)
-            requests.append(await engine.prepare(prompt, sampling, cache_salt=cache_salt))
+        first = await engine.prepare(prompt, samplings[0], cache_salt=cache_salt)
+        token_ids = first.kv.token_ids[: first.num_prompt_tokens]
+        requests.append(first)
+        for sampling in samplings[1:]:
+            requests.append(await engine.prepare(token_ids, sampling, cache_salt=cache_salt))
+        await asyncio.sleep(0)  # many prompts: let health checks and streams in between
     return requests
+
+
+def choice_fields(sampling_fields: dict, index: int) -> dict:
+    seed = sampling_fields.get("seed")
+    if index == 0 or seed is None:
+        return sampling_fields
+    wrapped = (seed + index - INT64_MIN) % (1 << 64) + INT64_MIN
+    return {**sampling_fields, "seed": wrapped}
 
 
 async def stream_choices(

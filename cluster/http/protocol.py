@@ -14,8 +14,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.validation import InvalidRequestError
+from workers.request_limits import MAX_LOGPROBS
 
 MAX_N = 16  # choices per request: each is a full generation
+MAX_PROMPTS = 2048  # prompts in one completions request, as OpenAI allows
 
 
 class StreamOptions(BaseModel):
@@ -75,7 +77,7 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     UNSUPPORTED: frozenset[str] = frozenset({"suffix", "echo", "logit_bias", "best_of"})
 
@@ -88,6 +90,11 @@ class CompletionRequest(_Common):
             raise InvalidRequestError("prompt must not be empty")
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]
+        if len(prompt) > MAX_PROMPTS:
+            raise InvalidRequestError(
+                f"prompt holds {len(prompt)} prompts; at most {MAX_PROMPTS} are allowed",
+                param="prompt",
+            )
         return list(prompt)
 
 
@@ -102,7 +109,7 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 

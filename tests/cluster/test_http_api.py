@@ -12,45 +12,20 @@ import math
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.client import Client
-from cluster.config import EngineConfig
-from cluster.local import LocalServer
-from tests.cluster.chat_model import save_chat_model
-
-KEY = "s3cret"
-MODEL = "tiny-chat"
+from tests.cluster.http_helpers import KEY, MODEL, chat_server, metrics
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model_dir = save_chat_model(tmp_path_factory.mktemp("chat-model"))
-    config = EngineConfig(
-        model=str(model_dir),
-        kv_cache_memory_bytes=8 << 20,
-        port=0,
-        http_port=0,
-        max_model_len=256,
-        api_key=KEY,
-        served_model_name=MODEL,
-    )
-    with LocalServer(config) as running:
+    with chat_server(tmp_path_factory.mktemp("chat-model")) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=f"http://{server.http.address}/v1", api_key=KEY, max_retries=0)
-
-
-def metrics(server) -> dict[tuple[str, tuple], float]:
-    text = httpx.get(f"http://{server.http.address}/metrics").text
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
 
 
 def test_models_health_and_version(server, client):

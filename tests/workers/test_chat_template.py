@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer, models
 
-from workers.chat_template import ChatTemplateError, render_chat
+from workers.chat_template import ChatTemplateError, reads_content_parts, render_chat
 
 # SmolLM2's: ChatML with a default system prompt.
 CHATML = (
@@ -177,6 +177,40 @@ def test_templates_render_as_transformers_does(name, add_generation_prompt):
             add_generation_prompt=add_generation_prompt,
         )
         assert ours == expected(name, messages, add_generation_prompt)
+
+
+PARTS = [{"type": "text", "text": "Two lines:"}, {"type": "text", "text": "  the second "}]
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama3", "mistral", "tools"])
+def test_text_parts_render_as_transformers_renders_them(name):
+    """A template that loops over a message's content gets the parts as they are; any other
+    gets their texts joined by newlines, as a string."""
+    messages = [{"role": "user", "content": PARTS}, {"role": "assistant", "content": "ok"}]
+    ours = render_chat(TEMPLATES[name], messages, special_tokens=SPECIAL_TOKENS[name])
+    if reads_content_parts(TEMPLATES[name]):
+        reference = messages
+    else:
+        joined = "\n".join(part["text"] for part in PARTS)
+        reference = [{"role": "user", "content": joined}, messages[1]]
+    assert ours == expected(name, reference, True)
+    assert [reads_content_parts(TEMPLATES[n]) for n in TEMPLATES] == [False, False, False, True]
+
+
+def test_content_parts_are_found_through_variables_and_filters():
+    through_variable = (
+        "{% for m in messages %}{% set parts = m['content'] %}"
+        "{% for p in parts %}{{ p.text }}{% endfor %}{% endfor %}"
+    )
+    through_filter = (
+        "{% for m in messages %}{% for p in m.content | selectattr('type', 'eq', 'text') %}"
+        "{{ p.text }}{% endfor %}{% endfor %}"
+    )
+    assert reads_content_parts(through_variable) and reads_content_parts(through_filter)
+    assert not reads_content_parts("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert render_chat(through_variable, [{"role": "u", "content": PARTS}], special_tokens={}) == (
+        "Two lines:  the second "
+    )
 
 
 def test_tool_calls_and_tojson_render_as_transformers_does():
