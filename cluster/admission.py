@@ -11,7 +11,7 @@ import itertools
 import uuid
 from collections.abc import Sequence
 
-from cluster.scheduler.detokenizer import IncrementalDetokenizer
+from cluster.output.detokenizer import IncrementalDetokenizer
 from cluster.scheduler.request import EngineRequest
 from cluster.validation import (
     InvalidRequestError,

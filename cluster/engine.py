@@ -1,7 +1,9 @@
 """The async engine: validates requests, runs the step loop, streams outputs.
 
 One asyncio task runs the loop: schedule, send the plan through the transport, apply the
-result, hand each request's new tokens and text to its stream. Request handlers only enqueue
+result (the scheduler takes in the new tokens; the output stage, ``cluster.output``,
+detokenizes them and ends the requests they stop), hand each request's new tokens and text to
+its stream. Request handlers only enqueue
 and read their own stream, so a slow client never stalls the loop.
 
 Nothing in the loop fails silently. A request whose output cannot be processed fails alone
@@ -29,12 +31,12 @@ from cluster.errors import (
     OverloadedError,
 )
 from cluster.metrics import EngineMetrics
+from cluster.output.stop import end_stopped, releasable_text
 from cluster.scheduler.request import EngineRequest
 from cluster.scheduler.scheduler import ScheduledStep, Scheduler
-from cluster.scheduler.stop import releasable_text
 from cluster.stats import EngineStats
 from cluster.transport import StepTransport, WorkerLostError
-from workers.sampler import TokenLogprobs
+from workers.protocol import TokenLogprobs
 from workers.sampling import SamplingParams
 from workers.tokenizer import Tokenizer
 
@@ -262,6 +264,8 @@ class AsyncEngine:
         now = time.perf_counter()
         self.num_steps += 1
         touched, failed = self.scheduler.update(sent_step.step, result)
+        touched, unprocessed = end_stopped(self.scheduler, touched)
+        failed += unprocessed
         for request in touched:
             try:
                 if self.metrics is not None:

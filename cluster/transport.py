@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from kvcore import decode, encode
-from workers.step_plan import StepPlan, StepResult
+from workers.protocol import StepPlan, StepResult
 
 
 class WorkerLostError(RuntimeError):

@@ -16,9 +16,9 @@ from kernels.backends import AttentionBackend
 from kvcore import KVCacheSpec, get_kv_cache_config_from_groups, get_kv_cache_groups
 from kvcore._math import cdiv
 from workers.kv_cache import allocate_kv_cache
+from workers.protocol import NewRequest, StepPlan
 from workers.runner import ModelRunner
 from workers.sampling import SamplingParams
-from workers.step_plan import NewRequest, StepPlan
 
 # Sampled rows use every filter, so the sort and its temporaries are in the peak.
 PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=1)

@@ -25,9 +25,9 @@ from workers.forward_context import ForwardContext, set_forward_context
 from workers.mamba_metadata import build_mamba_metadata, plan_align_states, state_slots
 from workers.mla_metadata import build_mla_metadata, expansion_threshold
 from workers.parallel import broadcast_from_first, get_tp_group
-from workers.sampler import Sampler, SamplingRow, TokenLogprobs
+from workers.protocol import NewRequest, RequestDelta, StepPlan, StepResult, TokenLogprobs
+from workers.sampler import Sampler, SamplingRow
 from workers.sampling import SamplingParams
-from workers.step_plan import NewRequest, RequestDelta, StepPlan, StepResult
 
 
 @dataclass

@@ -16,19 +16,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import msgspec
 import torch
 
+from workers.protocol import TokenLogprobs
 from workers.sampling import MIN_TEMPERATURE, SamplingParams
 
 _SEED_MASK = (1 << 64) - 1  # torch seeds are unsigned 64-bit; any int64 maps onto one
-
-
-class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
-    """One generated token's log-probability and the ``logprobs`` most likely alternatives."""
-
-    logprob: float
-    top: list[tuple[int, float]]  # (token id, log-probability), most likely first
 
 
 @dataclass(frozen=True)

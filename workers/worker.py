@@ -36,8 +36,8 @@ from workers.model_config import ModelConfig
 from workers.models import model_class_for
 from workers.parallel import destroy_tp_group, get_tp_group, init_tp_group
 from workers.profiling import run_profile_step
+from workers.protocol import StepPlan
 from workers.runner import ModelRunner
-from workers.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -35,7 +35,7 @@ from kvcore import KVCacheConfig, RankReport, decode, encode
 from workers.default_model import model_display_name
 from workers.model_config import ModelConfig
 from workers.models import model_class_for
-from workers.step_plan import StepResult
+from workers.protocol import StepResult
 from workers.tokenizer import load_tokenizer_for
 from workers.worker import Worker
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from cluster.engine import AsyncEngine, RequestOutput
 from cluster.scheduler.request import EngineRequest
+from workers.protocol import TokenLogprobs
 from workers.request_limits import INT64_MIN
-from workers.sampler import TokenLogprobs
 
 _DONE = object()
 

@@ -7,7 +7,7 @@ import time
 import uuid
 
 from cluster.http.choices import Choice
-from workers.sampler import TokenLogprobs
+from workers.protocol import TokenLogprobs
 
 
 class ResponseWriter:

@@ -6,9 +6,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from cluster.scheduler.detokenizer import IncrementalDetokenizer
+from cluster.output.detokenizer import IncrementalDetokenizer
 from kvcore.kv_request import KVRequest
-from workers.sampler import TokenLogprobs
+from workers.protocol import TokenLogprobs
 from workers.sampling import SamplingParams
 
 

@@ -15,9 +15,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cluster.scheduler.request import EngineRequest, RequestStatus
-from cluster.scheduler.stop import check_stop
 from kvcore.coordinator import KVCacheCoordinator
-from workers.step_plan import NewRequest, RequestDelta, StepPlan, StepResult
+from workers.protocol import NewRequest, RequestDelta, StepPlan, StepResult
 
 
 @dataclass(frozen=True)
@@ -221,8 +220,9 @@ class Scheduler:
     def update(
         self, step: ScheduledStep, result: StepResult
     ) -> tuple[list[EngineRequest], list[tuple[EngineRequest, Exception]]]:
-        """Apply a step's result. Returns the requests with new output or a finish, and those
-        whose output could not be applied (with why); one request's failure is its own."""
+        """Apply a step's result. Returns the requests with a new token, and those whose
+        output could not be applied (with why); one request's failure is its own. Whether a
+        new token ends its request is the output stage's to say (``cluster.output.stop``)."""
         touched, failed = [], []
         for request, _ in step.scheduled:
             if request.is_finished or request.status is not RequestStatus.RUNNING:
@@ -249,10 +249,6 @@ class Scheduler:
         if token is None:
             return False
         request.pending_token_ids.append(token)
-        request.detokenizer.add([token])
-        reason = check_stop(request, token, self.config.eos_token_ids, self.config.max_model_len)
-        if reason is not None:
-            self.finish(request, reason)
         return True
 
     def kv_slot_usage(self) -> tuple[int, int]:

@@ -8,7 +8,7 @@ import json
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from cluster.scheduler.detokenizer import CONTEXT_TOKENS, MAX_HELD_TOKENS, IncrementalDetokenizer
+from cluster.output.detokenizer import CONTEXT_TOKENS, MAX_HELD_TOKENS, IncrementalDetokenizer
 
 CORPUS = [
     "The capital of France is Paris, and the capital of Italy is Rome.",

@@ -15,7 +15,7 @@ from cluster.admission import Admission
 from cluster.scheduler.scheduler import new_request_message
 from cluster.validation import InvalidRequestError
 from kvcore import decode, encode
-from workers.step_plan import StepPlan
+from workers.protocol import StepPlan
 from workers.tokenizer import ByteTokenizer
 
 VOCAB, MAX_MODEL_LEN = 258, 64

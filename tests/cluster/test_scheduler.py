@@ -4,18 +4,19 @@ standing in for the workers, so each decision can be asserted exactly."""
 
 from __future__ import annotations
 
-from cluster.scheduler.detokenizer import (
+from cluster.output.detokenizer import (
     CONTEXT_TOKENS,
     MAX_HELD_TOKENS,
     IncrementalDetokenizer,
 )
+from cluster.output.stop import end_stopped
 from cluster.scheduler.request import EngineRequest, RequestStatus
 from cluster.scheduler.scheduler import Scheduler, SchedulerConfig
 from kvcore import FullAttentionSpec, get_kv_cache_config
 from kvcore.coordinator import KVCacheCoordinator
 from kvcore.kv_request import KVRequest
+from workers.protocol import StepResult
 from workers.sampling import SamplingParams
-from workers.step_plan import StepResult
 from workers.tokenizer import ByteTokenizer
 
 SPEC = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=4, dtype="float32")
@@ -57,6 +58,13 @@ def request(request_id: str, prompt, index: int = 0, **sampling) -> EngineReques
     )
 
 
+def answer(scheduler: Scheduler, scheduled, result: StepResult) -> None:
+    """Apply a step's result as the engine does: the scheduler takes the tokens in, then the
+    output stage detokenizes them and ends the requests they stop."""
+    touched, failed = scheduler.update(scheduled, result)
+    assert not failed and not end_stopped(scheduler, touched)[1]
+
+
 def step(scheduler: Scheduler, tokens: dict[str, int] | None = None, default: int = 65):
     """Schedule one step and answer it: every request that reaches its last token samples
     ``tokens[id]`` (or ``default``)."""
@@ -65,7 +73,7 @@ def step(scheduler: Scheduler, tokens: dict[str, int] | None = None, default: in
     for req, _ in scheduled.scheduled:
         if req.num_inflight_samples:  # its step reaches its last token
             sampled[req.request_id] = (tokens or {}).get(req.request_id, default)
-    scheduler.update(scheduled, StepResult(sampled=sampled))
+    answer(scheduler, scheduled, StepResult(sampled=sampled))
     return scheduled
 
 
@@ -124,7 +132,7 @@ def test_preemption_takes_the_newest_and_resumes_it_with_all_tokens():
         if resumed:
             preempted_plan = resumed[0]
         sampled = {r.request_id: 66 for r, _ in scheduled.scheduled if r.num_inflight_samples}
-        scheduler.update(scheduled, StepResult(sampled=sampled))
+        answer(scheduler, scheduled, StepResult(sampled=sampled))
     assert preempted_plan is not None
     # The resumed request carries its prompt and the outputs it had made.
     assert preempted_plan.token_ids[:8] == list(range(50, 58))
@@ -197,12 +205,12 @@ def test_a_step_planned_ahead_counts_the_running_steps_samples():
     assert [(r.request_id, n) for r, n in step_b.scheduled] == [("long", 1)]  # short is done
     (delta,) = step_b.plan.deltas
     assert (delta.num_computed_tokens, delta.num_new_tokens) == (5, 1)
-    scheduler.update(step_a, StepResult(sampled={"long": 70, "short": 71}))
+    answer(scheduler, step_a, StepResult(sampled={"long": 70, "short": 71}))
     assert long.kv.token_ids == [1, 2, 3, 4, 5, 70]
     assert "short" not in scheduler.requests  # finished by length: max_tokens 1
     step_c = scheduler.schedule(ahead=True)  # B still runs
-    scheduler.update(step_b, StepResult(sampled={"long": 72}))
-    scheduler.update(step_c, StepResult(sampled={"long": 74}))
+    answer(scheduler, step_b, StepResult(sampled={"long": 72}))
+    answer(scheduler, step_c, StepResult(sampled={"long": 74}))
     assert (long.output_token_ids, long.finish_reason) == ([70, 72, 74], "length")
     assert scheduler.coordinator.num_free_blocks == idle
 
@@ -216,5 +224,5 @@ def test_planning_ahead_never_preempts():
     assert len(running.scheduled) == 2
     ahead = scheduler.schedule(ahead=True)
     assert ahead.is_empty and scheduler.num_preemptions == 0
-    scheduler.update(running, StepResult(sampled={"a": 1, "b": 2}))
+    answer(scheduler, running, StepResult(sampled={"a": 1, "b": 2}))
     assert scheduler.schedule().plan.preempted_ids == ["b"]  # now it may preempt

@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 
 from kvcore import KVCacheConfig, RankReport, decode, encode, get_kv_cache_config
 from workers.parallel import pick_rendezvous
-from workers.step_plan import StepResult
+from workers.protocol import StepResult
 from workers.worker import Worker, WorkerOptions
 
 KV_CACHE_MEMORY = 8 << 20

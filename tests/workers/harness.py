@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvcore import KVCacheConfig
+from workers.protocol import NewRequest, RequestDelta, StepPlan
 from workers.sampling import SamplingParams
-from workers.step_plan import NewRequest, RequestDelta, StepPlan
 
 
 @dataclass

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvcore import RankReport, decode, encode, get_kv_cache_config
+from workers.protocol import NewRequest, StepPlan, StepResult
 from workers.sampling import SamplingParams
-from workers.step_plan import NewRequest, StepPlan, StepResult
 from workers.worker import WorkerOptions
 
 ray = pytest.importorskip("ray")

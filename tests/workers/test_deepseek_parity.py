@@ -28,7 +28,7 @@ from tests.workers.engine import (
 from tests.workers.harness import StepDriver
 from tests.workers.hf_models import NUM_OUTPUT_TOKENS, PROMPTS, reference_generations, save_deepseek
 from workers.layers.mla_attention import MLAAttention
-from workers.step_plan import StepResult
+from workers.protocol import StepResult
 from workers.worker import Worker
 
 YARN = {

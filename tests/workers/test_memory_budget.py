@@ -12,7 +12,7 @@ from kvcore import RankReport, decode, encode, get_kv_cache_config
 from tests.workers.harness import StepDriver
 from workers.memory import InsufficientGpuMemoryError, MemorySnapshot, kv_cache_budget
 from workers.profiling import profile_request_lens
-from workers.step_plan import StepResult
+from workers.protocol import StepResult
 from workers.worker import Worker, WorkerOptions
 
 GiB = 1 << 30

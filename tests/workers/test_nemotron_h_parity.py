@@ -29,7 +29,7 @@ from workers.kv_specs import StateCaching
 from workers.loader import load_state_dict, load_weights
 from workers.model_config import load_model_config
 from workers.models.nemotron_h import NemotronHForCausalLM
-from workers.step_plan import StepResult
+from workers.protocol import StepResult
 from workers.worker import Worker
 
 LIST_FORM = ["full_attention", "linear_attention", "mlp", "linear_attention"]

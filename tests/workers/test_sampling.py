@@ -9,9 +9,9 @@ from kvcore import decode, encode
 from tests.workers.engine import plan_for
 from tests.workers.harness import StepDriver
 from workers.default_model import DEFAULT_CONFIG
+from workers.protocol import StepResult
 from workers.sampler import Sampler
 from workers.sampling import SamplingParams
-from workers.step_plan import StepResult
 from workers.worker import Worker, WorkerOptions
 
 

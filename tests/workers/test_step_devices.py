@@ -20,9 +20,9 @@ import torch
 from kvcore import decode, encode
 from tests.workers.engine import plan_for
 from tests.workers.harness import StepDriver
+from workers.protocol import StepResult
 from workers.sampler import Sampler
 from workers.sampling import SamplingParams
-from workers.step_plan import StepResult
 from workers.worker import Worker, WorkerOptions
 
 PROMPTS = [list(b"The quick brown fox"), list(b"jumps over")]

@@ -1,4 +1,7 @@
-"""The controller -> worker contract for one engine step, and the worker's reply.
+"""The controller <-> worker messages: the plan of one engine step and the worker's reply,
+with the log-probabilities a reply carries. Plain msgspec structs and no torch, so the
+scheduler, the engine and the client load this without loading a model's dependencies;
+``SamplingParams`` (``workers.sampling``) travels inside them.
 
 New requests arrive once, with everything a worker must remember; after that only deltas
 travel: the blocks added since the last step and how many tokens to compute now. Workers never
@@ -11,8 +14,14 @@ from __future__ import annotations
 
 import msgspec
 
-from workers.sampler import TokenLogprobs
 from workers.sampling import SamplingParams
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """One generated token's log-probability and the ``logprobs`` most likely alternatives."""
+
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability), most likely first
 
 
 class NewRequest(msgspec.Struct, frozen=True, kw_only=True):

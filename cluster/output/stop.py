@@ -1,4 +1,5 @@
-"""When a request stops, and the text it may show so far.
+"""When a request stops, and the text it may show so far: the engine's output stage, run on
+each step's new tokens after the scheduler has taken them in (``end_stopped``).
 
 Order of checks after each sampled token: a stop token id or EOS ("stop"), then a stop string
 in the text ("stop"; the string and what follows are cut), then ``max_tokens`` or the model's
@@ -7,7 +8,32 @@ length ("length").
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from cluster.scheduler.request import EngineRequest
+from cluster.scheduler.scheduler import Scheduler
+
+
+def end_stopped(
+    scheduler: Scheduler, requests: Iterable[EngineRequest]
+) -> tuple[list[EngineRequest], list[tuple[EngineRequest, Exception]]]:
+    """Detokenize the token each of ``requests`` just got and finish those it stops. Returns
+    the requests processed, and those whose output could not be (with why): each fails
+    alone."""
+    eos_token_ids, max_model_len = scheduler.config.eos_token_ids, scheduler.config.max_model_len
+    done, failed = [], []
+    for request in requests:
+        try:
+            token = request.kv.token_ids[-1]
+            request.detokenizer.add([token])
+            reason = check_stop(request, token, eos_token_ids, max_model_len)
+        except Exception as exc:
+            failed.append((request, exc))
+            continue
+        if reason is not None:
+            scheduler.finish(request, reason)
+        done.append(request)
+    return done, failed
 
 
 def check_stop(
