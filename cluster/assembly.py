@@ -16,9 +16,8 @@ from cluster.server import ApiServer
 from cluster.server_info import static_info
 from kvcore import KVCacheConfig
 from kvcore.coordinator import KVCacheCoordinator
-from workers.default_model import model_display_name
 from workers.model_config import ModelConfig
-from workers.tokenizer import load_tokenizer_for
+from workers.model_source import load_tokenizer_for, model_display_name
 
 
 def build_scheduler(

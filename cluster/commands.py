@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from cluster.cli import engine_config
 from cluster.client import Client
 from cluster.launch import running_engine
-from workers.default_model import model_config_for, model_display_name
+from workers.model_source import model_config_for, model_display_name
 
 
 def serve(args) -> int:

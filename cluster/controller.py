@@ -17,7 +17,7 @@ from cluster.scheduler.scheduler import Scheduler
 from cluster.startup import plan_kv_cache
 from cluster.transport import RayActorTransport
 from kvcore import KVCacheConfig, RankReport, decode, encode
-from workers.default_model import model_config_for
+from workers.model_source import model_config_for
 
 logger = logging.getLogger(__name__)
 

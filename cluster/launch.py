@@ -24,7 +24,7 @@ def running_engine(config: EngineConfig, *, in_process: bool = False) -> Iterato
     import ray
 
     from cluster.controller import start_controller
-    from workers.default_model import model_config_for
+    from workers.model_source import model_config_for
 
     model_config_for(config.model)  # a missing or unsupported model fails before Ray starts
 

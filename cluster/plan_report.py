@@ -21,9 +21,9 @@ from kvcore import (
     resolve_kv_cache_layout,
     shard_kv_cache_spec,
 )
-from workers.default_model import model_display_name
 from workers.kv_specs import rank_kv_cache_specs
 from workers.model_config import ModelConfig
+from workers.model_source import model_display_name
 
 
 def plan_report(config: EngineConfig, model_config, layouts: list[str] | None = None) -> str:

@@ -23,6 +23,8 @@ from kvcore.attention_specs import (
 from kvcore.block_sizes import BlockSizes, resolve_kv_cache_block_sizes
 from kvcore.cache_hit import CacheHit, StaleCacheHitError
 from kvcore.coordinator import KVCacheCoordinator, needs_kv_cache_zeroing
+from kvcore.coordinator_hybrid import HybridCoordinator  # the variants register themselves
+from kvcore.coordinator_variants import NoPrefixCacheCoordinator, UnitaryCoordinator
 from kvcore.dtypes import DTYPE_SIZES, KVQuantMode, get_kv_quant_mode, is_quantized_kv_cache
 from kvcore.errors import (
     GeometryMismatchError,
@@ -95,6 +97,7 @@ __all__ = [
     "CircularBufferSpec",
     "FullAttentionSpec",
     "GeometryMismatchError",
+    "HybridCoordinator",
     "InsufficientKVCacheMemoryError",
     "KVCacheConfig",
     "KVCacheCoordinator",
@@ -110,12 +113,14 @@ __all__ = [
     "KVRequest",
     "MLAAttentionSpec",
     "MambaSpec",
+    "NoPrefixCacheCoordinator",
     "RankReport",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",
     "StaleCacheHitError",
     "TensorParallelError",
     "UniformTypeKVCacheSpecs",
+    "UnitaryCoordinator",
     "UnsupportedSpecError",
     "WireFormatError",
     "build_kv_cache_tensor",

@@ -13,12 +13,15 @@ The scheduler sees block ids and counts, never free lists. Per request it calls:
 
 Three variants: caching off (``NoPrefixCacheCoordinator``: hit always 0, any number of groups),
 one group (``UnitaryCoordinator``) and several (``HybridCoordinator``, fixed-point search).
-``KVCacheCoordinator.from_config`` picks one.
+Each registers itself by subclassing, in its own module (``kvcore`` imports them all), and
+says which configurations it serves; ``KVCacheCoordinator.from_config`` picks the one that
+does, so this module never imports its variants.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 from kvcore.attention_specs import AttentionSpec
 from kvcore.block_pool import BlockPool
@@ -47,6 +50,17 @@ def needs_kv_cache_zeroing(config: KVCacheConfig) -> bool:
 
 class KVCacheCoordinator:
     """Shared bookkeeping of every variant: one block pool, one manager per group."""
+
+    _variants: ClassVar[list[type[KVCacheCoordinator]]] = []  # every subclass, as defined
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        KVCacheCoordinator._variants.append(cls)
+
+    @classmethod
+    def serves(cls, config: KVCacheConfig, enable_caching: bool) -> bool:
+        """Whether this variant is the one for ``config`` (exactly one variant says yes)."""
+        raise NotImplementedError
 
     def __init__(
         self,
@@ -93,18 +107,10 @@ class KVCacheCoordinator:
     def from_config(
         cls, config: KVCacheConfig, *, max_num_batched_tokens: int, enable_caching: bool = True
     ) -> KVCacheCoordinator:
-        """Caching off: no-cache; one group: unitary; otherwise hybrid. A hybrid model with a
-        Mamba group outside "align" mode can never hit (that group keeps no per-prefix
-        state), so it gets the no-cache coordinator too."""
-        from kvcore.coordinator_hybrid import HybridCoordinator
-        from kvcore.coordinator_variants import NoPrefixCacheCoordinator, UnitaryCoordinator
-
-        kwargs = {"max_num_batched_tokens": max_num_batched_tokens}
-        if not enable_caching or _has_stateless_mamba_hybrid(config):
-            return NoPrefixCacheCoordinator(config, **kwargs)
-        if len(config.kv_cache_groups) == 1:
-            return UnitaryCoordinator(config, **kwargs)
-        return HybridCoordinator(config, **kwargs)
+        """The variant that serves ``config``: caching off, no-cache; one group, unitary;
+        otherwise hybrid (see each variant's ``serves``)."""
+        (variant,) = [v for v in cls._variants if v.serves(config, enable_caching)]
+        return variant(config, max_num_batched_tokens=max_num_batched_tokens)
 
     # ----- prefix-cache search ---------------------------------------------------------
 
@@ -343,6 +349,12 @@ _EMPTY_RESULTS = {
     3: lambda: [[], [], []],
     4: lambda: [[], [], [], []],
 }
+
+
+def can_hit(config: KVCacheConfig, enable_caching: bool) -> bool:
+    """Whether a prefix can ever hit. Not with caching off; nor for a hybrid model with a
+    Mamba group outside "align" mode (that group keeps no per-prefix state)."""
+    return enable_caching and not _has_stateless_mamba_hybrid(config)
 
 
 def _has_stateless_mamba_hybrid(config: KVCacheConfig) -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvcore._math import cdiv
-from kvcore.coordinator import KVCacheCoordinator
+from kvcore.coordinator import KVCacheCoordinator, can_hit
 from kvcore.free_block_queue import KVCacheBlock
 from kvcore.hashing import BlockHash
 from kvcore.kv_cache_config import KVCacheConfig
@@ -41,6 +41,10 @@ def effective_cache_hit_alignment(config: KVCacheConfig) -> int:
 
 class HybridCoordinator(KVCacheCoordinator):
     """Two or more groups with caching on."""
+
+    @classmethod
+    def serves(cls, config: KVCacheConfig, enable_caching: bool) -> bool:
+        return can_hit(config, enable_caching) and len(config.kv_cache_groups) > 1
 
     def __init__(self, config: KVCacheConfig, *, max_num_batched_tokens: int) -> None:
         super().__init__(

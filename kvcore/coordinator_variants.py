@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvcore.cache_hit import CacheHit
-from kvcore.coordinator import KVCacheCoordinator
+from kvcore.coordinator import KVCacheCoordinator, can_hit
 from kvcore.free_block_queue import KVCacheBlock
 from kvcore.hashing import BlockHash
 from kvcore.kv_cache_config import KVCacheConfig
@@ -14,6 +14,10 @@ from kvcore.kv_request import KVRequest
 
 class NoPrefixCacheCoordinator(KVCacheCoordinator):
     """Prefix caching off: every hit is empty; any number of groups (even none)."""
+
+    @classmethod
+    def serves(cls, config: KVCacheConfig, enable_caching: bool) -> bool:
+        return not can_hit(config, enable_caching)
 
     def __init__(self, config: KVCacheConfig, *, max_num_batched_tokens: int) -> None:
         super().__init__(
@@ -29,6 +33,10 @@ class NoPrefixCacheCoordinator(KVCacheCoordinator):
 
 class UnitaryCoordinator(KVCacheCoordinator):
     """One group with caching on: hashes are exactly that group's blocks."""
+
+    @classmethod
+    def serves(cls, config: KVCacheConfig, enable_caching: bool) -> bool:
+        return can_hit(config, enable_caching) and len(config.kv_cache_groups) == 1
 
     def __init__(self, config: KVCacheConfig, *, max_num_batched_tokens: int) -> None:
         if len(config.kv_cache_groups) != 1:

@@ -1,6 +1,7 @@
 """Tokenizers: a checkpoint's ``tokenizer.json`` or a GGUF's tokenizer metadata through the
 ``tokenizers`` package, the byte-level tokenizer of the embedded default model, and none at all
-for a checkpoint that ships no tokenizer. ``load_tokenizer_for`` picks one for a ``--model``."""
+for a checkpoint that ships no tokenizer. ``workers.model_source.load_tokenizer_for`` picks
+one for a ``--model``."""
 
 from __future__ import annotations
 
@@ -161,25 +162,3 @@ class NoTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return ""
-
-
-def load_tokenizer_for(model: str | None, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
-    """The tokenizer of ``--model``: a GGUF's (a file, a directory holding one, or an embedded
-    GGUF model), a directory's ``tokenizer.json`` (``NoTokenizer`` without one), or the byte
-    tokenizer of the other embedded models."""
-    # default_model imports this module for ByteTokenizer; it is where model names resolve.
-    from workers.default_model import gguf_path_for, is_embedded
-
-    gguf = gguf_path_for(model)
-    if gguf is not None:
-        try:
-            return HFTokenizer.from_gguf(gguf, eos_token_ids)
-        except ValueError as exc:  # a tokenizer kind we cannot build: token ids still work
-            logger.warning("%s; serving token-id prompts only", exc)
-            return NoTokenizer(eos_token_ids, reason=f"{exc}")
-    if is_embedded(model):
-        return ByteTokenizer()
-    if not (Path(model) / "tokenizer.json").is_file():
-        logger.warning("No tokenizer.json in %s; serving token-id prompts only", model)
-        return NoTokenizer(eos_token_ids)
-    return HFTokenizer.from_directory(model, eos_token_ids)

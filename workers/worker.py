@@ -19,12 +19,7 @@ from kernels.mamba import get_mamba_backend
 from kernels.mla import get_mla_backend
 from kvcore import KVCacheConfig, RankReport, decode, encode
 from workers import defaults
-from workers.default_model import (
-    gguf_path_for,
-    is_embedded,
-    load_default_weights,
-    model_config_for,
-)
+from workers.default_model import load_default_weights
 from workers.device import distributed_backend, select_device
 from workers.gguf import load_gguf_weights
 from workers.kv_cache import allocate_kv_cache
@@ -33,6 +28,7 @@ from workers.layers.cpu_matmul import pack_linear_weights
 from workers.loader import load_weights
 from workers.memory import CudaMemoryProbe, MemorySnapshot, kv_cache_budget
 from workers.model_config import ModelConfig
+from workers.model_source import gguf_path_for, is_embedded, model_config_for
 from workers.models import model_class_for
 from workers.parallel import destroy_tp_group, get_tp_group, init_tp_group
 from workers.profiling import run_profile_step

@@ -32,11 +32,10 @@ from cluster.scheduler.scheduler import ScheduledStep, Scheduler
 from cluster.startup import plan_kv_cache
 from cluster.stats import percentile
 from kvcore import KVCacheConfig, RankReport, decode, encode
-from workers.default_model import model_display_name
 from workers.model_config import ModelConfig
+from workers.model_source import load_tokenizer_for, model_display_name
 from workers.models import model_class_for
 from workers.protocol import StepResult
-from workers.tokenizer import load_tokenizer_for
 from workers.worker import Worker
 
 

@@ -10,12 +10,8 @@ import time
 import torch
 
 from cluster.bench.workload import BenchRequest
-from workers.default_model import (
-    default_checkpoint,
-    gguf_path_for,
-    is_embedded,
-    model_config_for,
-)
+from workers.default_model import default_checkpoint
+from workers.model_source import gguf_path_for, is_embedded, model_config_for
 
 
 def load_hf_model(model: str | None, device: torch.device, dtype: torch.dtype):

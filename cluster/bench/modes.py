@@ -16,7 +16,7 @@ from cluster.bench.workload import random_requests, shared_prefix_requests
 from cluster.client import Client
 from cluster.config import EngineConfig
 from cluster.launch import running_engine
-from workers.default_model import model_config_for
+from workers.model_source import model_config_for
 from workers.worker import TORCH_DTYPES
 
 ENGINE_STAT_KEYS = (

@@ -7,7 +7,7 @@ from __future__ import annotations
 from cluster.cli import main
 from tests.cluster.test_cli import generate_token_ids
 from tests.workers.hf_models import reference_generations
-from workers.default_model import model_config_for
+from workers.model_source import model_config_for
 
 
 def test_make_deepseek_writes_a_checkpoint_both_engines_load(tmp_path, capsys):

@@ -14,7 +14,8 @@ from cluster.bench.decode_cost import max_new_tokens
 from cluster.bench.workload import parse_lengths
 from cluster.cli import main
 from cluster.config import EngineConfig
-from workers.default_model import DEFAULT_CONFIG, default_checkpoint
+from workers.default_model import default_checkpoint
+from workers.model_source import DEFAULT_CONFIG
 
 SMALL = ["--kv-cache-memory", "16MiB", "--log-level", "WARNING"]
 # A Mamba layer's state is 530 KB; prefix caching keeps up to 16 of them a step per group.
@@ -41,7 +42,7 @@ def hybrid_dir(tmp_path_factory):
 def test_make_hybrid_writes_a_checkpoint_both_engines_load(hybrid_dir, capsys):
     from transformers import AutoModelForCausalLM
 
-    from workers.default_model import model_config_for
+    from workers.model_source import model_config_for
 
     config = model_config_for(str(hybrid_dir))
     assert config.architecture == "NemotronHForCausalLM"

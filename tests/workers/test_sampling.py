@@ -8,7 +8,7 @@ import torch
 from kvcore import decode, encode
 from tests.workers.engine import plan_for
 from tests.workers.harness import StepDriver
-from workers.default_model import DEFAULT_CONFIG
+from workers.model_source import DEFAULT_CONFIG
 from workers.protocol import StepResult
 from workers.sampler import Sampler
 from workers.sampling import SamplingParams

@@ -13,7 +13,8 @@ from cluster.client import Client, KVRayError
 from cluster.config import EngineConfig
 from cluster.local import LocalServer
 from tests.workers.hf_models import PROMPTS, reference_generations, save_model
-from workers.tokenizer import ByteTokenizer, HFTokenizer, NoTokenizer, load_tokenizer_for
+from workers.model_source import load_tokenizer_for
+from workers.tokenizer import ByteTokenizer, HFTokenizer, NoTokenizer
 
 NO_TOKENIZER_MESSAGE = "this model has no tokenizer.json; send prompts as token ids"
 
