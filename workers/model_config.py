@@ -1,25 +1,15 @@
-"""The model geometry kvray needs, read from a Hugging Face ``config.json`` (and the defaults
-of ``generation_config.json`` beside it)."""
+"""The model geometry kvray needs, as every family's config parser fills it in from a Hugging
+Face ``config.json`` (and the defaults of ``generation_config.json`` beside it): the struct,
+the parts only some families have (RoPE scaling, a Mamba mixer, latent attention), and the
+fields every family reads the same way (``common_fields``). Which parser reads which
+architecture is ``workers.models.registry``'s."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import msgspec
 
-# Architectures served by the Llama-family model code, and what distinguishes them.
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "NemotronHForCausalLM",  # hybrid: Mamba-2, attention and MLP layers (workers/models/nemotron_h)
-    "DeepseekV2ForCausalLM",  # multi-head latent attention, dense MLPs (workers/models/deepseek)
-    "DeepseekV3ForCausalLM",
-)
-DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
 
@@ -116,8 +106,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
     max_position_embeddings: int
+    rope_theta: float | None = None  # None: the family's attention has no rotary embedding
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
@@ -141,72 +131,17 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         return self.layer_types[layer_index] == "sliding_attention"
 
 
-def load_model_config(model_dir: str | Path) -> ModelConfig:
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"No config.json in model directory {model_dir}")
-    generation_path = Path(model_dir) / "generation_config.json"
-    generation = json.loads(generation_path.read_text()) if generation_path.is_file() else None
-    return parse_hf_config(json.loads(path.read_text()), generation)
-
-
-def parse_hf_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
-    """``raw`` is config.json; ``generation`` generation_config.json, when there is one."""
-    architectures = raw.get("architectures") or []
-    architecture = architectures[0] if architectures else "<none>"
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"Unsupported architecture {architecture!r}. Supported architectures: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    generation = generation or {}
-    quantization = raw.get("quantization_config")
-    if quantization:
-        method = (
-            quantization.get("quant_method", "unknown")
-            if isinstance(quantization, dict)
-            else quantization
-        )
-        raise UnsupportedModelError(
-            f"Quantized checkpoints are not served yet (quantization_config: {method}); use "
-            "an unquantized (bfloat16, float16 or float32) checkpoint of the model"
-        )
-    if architecture == "NemotronHForCausalLM":
-        from workers.nemotron_h_config import parse_nemotron_h  # it builds on this module
-
-        return parse_nemotron_h(raw, generation)
-    if architecture in DEEPSEEK_ARCHITECTURES:
-        from workers.deepseek_config import parse_deepseek
-
-        return parse_deepseek(raw, generation)
-    hidden = raw["hidden_size"]
-    heads = raw["num_attention_heads"]
-    num_layers = raw["num_hidden_layers"]
-    layer_types, window = _layer_types(raw, architecture, num_layers)
-    rope_theta, rope_scaling = rope_settings(raw)
-    return ModelConfig(
-        architecture=architecture,
-        vocab_size=raw["vocab_size"],
-        hidden_size=hidden,
-        intermediate_size=raw["intermediate_size"],
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or hidden // heads,
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        rope_theta=rope_theta,
-        max_position_embeddings=raw.get("max_position_embeddings", 2048),
-        rope_scaling=rope_scaling,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        **_biases(raw, architecture),
-        qk_norm=architecture == "Qwen3ForCausalLM",
-        layer_types=layer_types,
-        sliding_window=window,
-        eos_token_ids=eos_token_ids(raw, generation),
-        bos_token_id=raw.get("bos_token_id"),
-        dtype=checkpoint_dtype(raw),
-        default_sampling=default_sampling(generation),
-    )
+def common_fields(raw: dict[str, Any], generation: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields every family reads from config.json and generation_config.json
+    alike."""
+    return {
+        "architecture": raw["architectures"][0],
+        "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
+        "eos_token_ids": eos_token_ids(raw, generation),
+        "bos_token_id": raw.get("bos_token_id"),
+        "dtype": checkpoint_dtype(raw),
+        "default_sampling": default_sampling(generation),
+    }
 
 
 def eos_token_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
@@ -271,39 +206,3 @@ def rope_settings(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         rope_type=rope_type, factor=factor, original_max_position_embeddings=original, **known
     )
     return theta, scaling
-
-
-def _layer_types(raw: dict[str, Any], architecture: str, num_layers: int):
-    """Which layers use a sliding window, and the window (None when no layer does)."""
-    hidden_act = raw.get("hidden_act", "silu")
-    if hidden_act != "silu":
-        raise UnsupportedModelError(f"Unsupported hidden_act {hidden_act!r}; supported: silu")
-    window = raw.get("sliding_window")
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get(
-        "use_sliding_window"
-    ):
-        window = None
-    types = raw.get("layer_types")
-    if types is None:
-        kind = "sliding_attention" if window is not None else "full_attention"
-        types = [kind] * num_layers
-    if len(types) != num_layers or not set(types) <= {"full_attention", "sliding_attention"}:
-        raise UnsupportedModelError(
-            f"layer_types must name full_attention or sliding_attention for each of the "
-            f"{num_layers} layers, got {types}"
-        )
-    if window is None:
-        types = ["full_attention"] * num_layers
-    return tuple(types), window
-
-
-def _biases(raw: dict[str, Any], architecture: str) -> dict[str, bool]:
-    """Which projections carry a bias: Qwen2 always on Q/K/V only; Mistral never; Llama and
-    Qwen3 on Q/K/V/O when ``attention_bias`` (and Llama on the MLP when ``mlp_bias``)."""
-    if architecture == "Qwen2ForCausalLM":
-        return {"qkv_bias": True, "o_proj_bias": False, "mlp_bias": False}
-    if architecture == "MistralForCausalLM":
-        return {"qkv_bias": False, "o_proj_bias": False, "mlp_bias": False}
-    attention_bias = bool(raw.get("attention_bias"))
-    mlp_bias = architecture == "LlamaForCausalLM" and bool(raw.get("mlp_bias"))
-    return {"qkv_bias": attention_bias, "o_proj_bias": attention_bias, "mlp_bias": mlp_bias}

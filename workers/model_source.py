@@ -16,7 +16,8 @@ from pathlib import Path
 import msgspec
 
 from workers.gguf import find_gguf_file, gguf_model_config
-from workers.model_config import ModelConfig, load_model_config
+from workers.model_config import ModelConfig
+from workers.models.registry import load_model_config
 from workers.tokenizer import ByteTokenizer, HFTokenizer, NoTokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)

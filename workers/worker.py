@@ -29,7 +29,7 @@ from workers.loader import load_weights
 from workers.memory import CudaMemoryProbe, MemorySnapshot, kv_cache_budget
 from workers.model_config import ModelConfig
 from workers.model_source import gguf_path_for, is_embedded, model_config_for
-from workers.models import model_class_for
+from workers.models.registry import model_class_for
 from workers.parallel import destroy_tp_group, get_tp_group, init_tp_group
 from workers.profiling import run_profile_step
 from workers.protocol import StepPlan

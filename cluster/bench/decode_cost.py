@@ -34,7 +34,7 @@ from cluster.stats import percentile
 from kvcore import KVCacheConfig, RankReport, decode, encode
 from workers.model_config import ModelConfig
 from workers.model_source import load_tokenizer_for, model_display_name
-from workers.models import model_class_for
+from workers.models.registry import model_class_for
 from workers.protocol import StepResult
 from workers.worker import Worker
 

@@ -11,7 +11,7 @@ from cluster.config import EngineConfig
 from cluster.startup import plan_kv_cache
 from kvcore import GeometryMismatchError, RankReport
 from workers.kv_specs import rank_kv_cache_specs
-from workers.model_config import parse_hf_config
+from workers.models.registry import parse_hf_config
 
 RAW = {
     "architectures": ["NemotronHForCausalLM"],

@@ -12,9 +12,10 @@ import pytest
 from cluster.config import EngineConfig
 from cluster.startup import plan_kv_cache
 from kvcore import GeometryMismatchError, MLAAttentionSpec, RankReport
-from workers.deepseek_config import mla_softmax_scale
 from workers.kv_specs import rank_kv_cache_specs
-from workers.model_config import UnsupportedModelError, parse_hf_config
+from workers.model_config import UnsupportedModelError
+from workers.models.deepseek_config import mla_softmax_scale
+from workers.models.registry import parse_hf_config
 
 RAW = {
     "architectures": ["DeepseekV3ForCausalLM"],

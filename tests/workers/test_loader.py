@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 from tests.workers.engine import KV_CACHE_MEMORY, run_in_process
 from tests.workers.hf_models import PROMPTS, reference_generations, save_model
 from workers.loader import CheckpointError, load_weights
-from workers.model_config import UnsupportedModelError, load_model_config
-from workers.models import model_class_for
+from workers.model_config import UnsupportedModelError
+from workers.models.registry import load_model_config, model_class_for
 from workers.worker import WorkerOptions
 
 

@@ -27,8 +27,8 @@ from tests.workers.hf_models import NUM_OUTPUT_TOKENS, PROMPTS, reference_genera
 from tests.workers.hf_models import save_nemotron_h as save_model
 from workers.kv_specs import StateCaching
 from workers.loader import load_state_dict, load_weights
-from workers.model_config import load_model_config
 from workers.models.nemotron_h import NemotronHForCausalLM
+from workers.models.registry import load_model_config
 from workers.protocol import StepResult
 from workers.worker import Worker
 

@@ -11,7 +11,8 @@ import torch
 from tests.workers.engine import KV_CACHE_MEMORY, run_in_process
 from tests.workers.hf_models import COMMON, NUM_OUTPUT_TOKENS, PROMPTS, reference_generations
 from workers.layers.rotary import rope_frequencies
-from workers.model_config import UnsupportedModelError, parse_hf_config
+from workers.model_config import UnsupportedModelError
+from workers.models.registry import parse_hf_config
 from workers.worker import WorkerOptions
 
 # Real checkpoints' settings, and the corners of each formula.
@@ -116,7 +117,8 @@ def test_generation_config_adds_eos_ids_and_sampling_defaults(tmp_path):
     import msgspec
     from transformers import GenerationConfig
 
-    from workers.model_config import ModelConfig, load_model_config
+    from workers.model_config import ModelConfig
+    from workers.models.registry import load_model_config
 
     config = llama_config(16, 10000.0, 64, SCALINGS["llama3"], eos_token_id=2)
     config.save_pretrained(tmp_path)

@@ -17,7 +17,6 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from workers.deepseek_config import mla_softmax_scale
 from workers.kv_specs import attention_layer_name
 from workers.layers.linear import (
     ColumnParallelLinear,
@@ -29,6 +28,7 @@ from workers.layers.mla_attention import MLAAttention
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
 from workers.model_config import ModelConfig
+from workers.models.deepseek_config import mla_softmax_scale
 from workers.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,

@@ -15,12 +15,11 @@ from workers.model_config import (
     ModelConfig,
     RopeScaling,
     UnsupportedModelError,
-    checkpoint_dtype,
-    default_sampling,
-    eos_token_ids,
+    common_fields,
     rope_settings,
 )
 
+ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # transformers' defaults where the two configs differ, used when config.json leaves a field out.
 DEFAULTS = {
     "DeepseekV2ForCausalLM": dict(first_k_dense_replace=0, max_position_embeddings=2048),
@@ -55,7 +54,7 @@ def parse_deepseek(raw: dict[str, Any], generation: dict[str, Any]) -> ModelConf
         )
     rope_theta, rope_scaling = rope_settings(raw)
     return ModelConfig(
-        architecture=architecture,
+        **common_fields(raw, generation),
         vocab_size=raw.get("vocab_size", 129280),
         hidden_size=raw.get("hidden_size", 7168),
         intermediate_size=raw.get("intermediate_size", 18432),
@@ -70,13 +69,8 @@ def parse_deepseek(raw: dict[str, Any], generation: dict[str, Any]) -> ModelConf
             "max_position_embeddings", defaults["max_position_embeddings"]
         ),
         rope_scaling=rope_scaling,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         layer_types=("mla_attention",) * num_layers,
         mla=mla,
-        eos_token_ids=eos_token_ids(raw, generation),
-        bos_token_id=raw.get("bos_token_id"),
-        dtype=checkpoint_dtype(raw),
-        default_sampling=default_sampling(generation),
     )
 
 

@@ -11,9 +11,7 @@ from workers.model_config import (
     MambaConfig,
     ModelConfig,
     UnsupportedModelError,
-    checkpoint_dtype,
-    default_sampling,
-    eos_token_ids,
+    common_fields,
 )
 
 # NemotronH's legacy ``hybrid_override_pattern`` letters and its ``layers_block_type`` names,
@@ -56,7 +54,7 @@ def parse_nemotron_h(raw: dict[str, Any], generation: dict[str, Any]) -> ModelCo
             f"mamba_num_heads={mamba.num_heads} is not divisible by n_groups={mamba.n_groups}"
         )
     return ModelConfig(
-        architecture="NemotronHForCausalLM",
+        **common_fields(raw, generation),
         vocab_size=raw.get("vocab_size", 131072),
         hidden_size=raw.get("hidden_size", 4096),
         intermediate_size=raw.get("intermediate_size", 21504),
@@ -65,17 +63,11 @@ def parse_nemotron_h(raw: dict[str, Any], generation: dict[str, Any]) -> ModelCo
         num_key_value_heads=raw.get("num_key_value_heads") or heads,
         head_dim=raw.get("head_dim") or raw.get("hidden_size", 4096) // heads,
         rms_norm_eps=raw.get("layer_norm_epsilon", 1e-5),
-        rope_theta=10000.0,  # unused: NemotronH's attention has no rotary embedding
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         # transformers' NemotronH attention has no biases, whatever attention_bias says.
         mlp_bias=bool(raw.get("mlp_bias", False)),
         layer_types=layer_types,
         mamba=mamba,
-        eos_token_ids=eos_token_ids(raw, generation),
-        bos_token_id=raw.get("bos_token_id"),
-        dtype=checkpoint_dtype(raw),
-        default_sampling=default_sampling(generation),
     )
 
 
