@@ -13,6 +13,9 @@ from kvcore.errors import KVCacheSpecError
 
 DTypeName = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "int8", "uint8"]
 
+# The dtypes a model's weights (and so its activations) may take; the cache takes any of
+# DTYPE_SIZES'.
+MODEL_DTYPES = ("float32", "float16", "bfloat16")
 DTYPE_SIZES: dict[str, int] = {
     "bfloat16": 2,
     "float16": 2,

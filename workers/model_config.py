@@ -10,7 +10,8 @@ from typing import Any
 
 import msgspec
 
-DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+from kvcore.dtypes import MODEL_DTYPES
+
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
 
 
@@ -152,7 +153,8 @@ def eos_token_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int,
 
 
 def checkpoint_dtype(raw: dict[str, Any]) -> str:
-    return DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype")), "float32")
+    name = str(raw.get("dtype") or raw.get("torch_dtype"))
+    return name if name in MODEL_DTYPES else "float32"
 
 
 def _ids(value: int | list[int] | None) -> tuple[int, ...]:

@@ -19,11 +19,11 @@ import torch
 from kernels.backends import AttentionBackend
 from kvcore import KVCacheConfig, MambaSpec, MLAAttentionSpec, iter_layer_specs
 from kvcore._math import cdiv
-from workers import defaults
 from workers.block_table import BlockTable
 from workers.forward_context import ForwardContext, set_forward_context
 from workers.mamba_metadata import build_mamba_metadata, plan_align_states, state_slots
 from workers.mla_metadata import build_mla_metadata, expansion_threshold
+from workers.options import RankSettings
 from workers.parallel import broadcast_from_first, get_tp_group
 from workers.protocol import NewRequest, RequestDelta, StepPlan, StepResult, TokenLogprobs
 from workers.sampler import Sampler, SamplingRow
@@ -57,10 +57,10 @@ class ModelRunner:
         mla_backend=None,  # kernels.mla's backend, for models with latent attention
         # The most context tokens an MLA step expands to per-head K/V: the largest step's
         # token count, which the memory profile ran (see workers.mla_metadata).
-        mla_expand_budget: int = defaults.MAX_NUM_BATCHED_TOKENS,
+        mla_expand_budget: int = RankSettings.default("max_num_batched_tokens"),
         # The most latent rows one MLA decode-kernel call takes (its workspace grows with
         # them): the most decode rows a step has, which the memory profile ran.
-        mla_max_latent_rows: int = defaults.MAX_NUM_SEQS,
+        mla_max_latent_rows: int = RankSettings.default("max_num_seqs"),
     ):
         self.model = model
         self.backend = backend

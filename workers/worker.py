@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,43 +17,25 @@ from kernels.backends import get_attention_backend
 from kernels.mamba import get_mamba_backend
 from kernels.mla import get_mla_backend
 from kvcore import KVCacheConfig, RankReport, decode, encode
-from workers import defaults
+from kvcore.views import TORCH_DTYPES
 from workers.default_model import load_default_weights
 from workers.device import distributed_backend, select_device
 from workers.gguf import load_gguf_weights
 from workers.kv_cache import allocate_kv_cache
-from workers.kv_specs import StateCaching, rank_kv_cache_specs
+from workers.kv_specs import rank_kv_cache_specs
 from workers.layers.cpu_matmul import pack_linear_weights
 from workers.loader import load_weights
 from workers.memory import CudaMemoryProbe, MemorySnapshot, kv_cache_budget
 from workers.model_config import ModelConfig
 from workers.model_source import gguf_path_for, is_embedded, model_config_for
 from workers.models.registry import model_class_for
+from workers.options import WorkerOptions
 from workers.parallel import destroy_tp_group, get_tp_group, init_tp_group
 from workers.profiling import run_profile_step
 from workers.protocol import StepPlan
 from workers.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class WorkerOptions:
-    model: str | None = None  # a Hugging Face directory, or "embedded:NAME"; None = default
-    tensor_parallel_size: int = 1
-    block_size: int = defaults.BLOCK_SIZE
-    attention_backend: str = "torch"
-    dtype: str | None = None  # None: the checkpoint's dtype
-    kv_cache_memory_bytes: int | None = None  # the CPU budget (ignored on CUDA)
-    gpu_memory_utilization: float = defaults.GPU_MEMORY_UTILIZATION
-    # "cuda" when the placement reserved a GPU (then a missing GPU is an error), "cpu", or
-    # None: GPU 0 when torch sees one, else the CPU.
-    device: str | None = None
-    max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS  # the largest step (profile)
-    max_num_seqs: int = defaults.MAX_NUM_SEQS  # the most sampled rows in a step (profile)
-    num_threads: int | None = None  # torch threads (a Ray actor's CPUs); None: torch's default
-    state_caching: StateCaching | None = None  # hybrids' Mamba states in the prefix cache
 
 
 class Worker:
@@ -68,16 +49,17 @@ class Worker:
         # size is given.
         self.memory = CudaMemoryProbe(self.device) if self.device.type == "cuda" else None
         self._memory_before_load: MemorySnapshot | None = None
-        self.backend = get_attention_backend(options.attention_backend)
+        backend_name = options.backend_on(self.device.type == "cuda")
+        self.backend = get_attention_backend(backend_name)
         self.model_config: ModelConfig = model_config_for(options.model)
         # A hybrid's Mamba kernels: the Mamba backend of the attention backend's name.
         self.mamba_backend = None
         if self.model_config.mamba is not None:
-            self.mamba_backend = get_mamba_backend(options.attention_backend)
+            self.mamba_backend = get_mamba_backend(backend_name)
         # A DeepSeek model's latent-cache kernels, likewise.
         self.mla_backend = None
         if self.model_config.mla is not None:
-            self.mla_backend = get_mla_backend(options.attention_backend)
+            self.mla_backend = get_mla_backend(backend_name)
         self.model = None
         self.runner: ModelRunner | None = None
         self._raw_kv_cache: torch.Tensor | None = None
@@ -128,7 +110,7 @@ class Worker:
             tp.rank,
             customize_spec=self.backend.customize_spec,
             kv_cache_dtype=self.kv_cache_dtype(),
-            state_caching=self.options.state_caching,
+            state_caching=self.options.state_caching(),
         )
         report = RankReport(
             rank=tp.rank,

@@ -39,12 +39,14 @@ import kvcore
 from cluster.bench.report import format_table, write_json
 from kernels.backends import AttentionBackend, get_attention_backend
 from kernels.mla import MLABackend, get_mla_backend
-from workers import defaults
+from kvcore.dtypes import MODEL_DTYPES
+from kvcore.views import TORCH_DTYPES
 from workers.forward_context import ForwardContext, set_forward_context
 from workers.kv_cache import select_kernel_block_size
 from workers.layers.mla_attention import MLAAttention
 from workers.mla_metadata import build_mla_metadata
 from workers.model_config import MLAConfig
+from workers.options import RankSettings
 
 # DeepSeek-V3's attention; 128 query heads, one rank's share under TP 8 by default.
 DEEPSEEK_V3 = MLAConfig(
@@ -55,7 +57,6 @@ DEFAULT_CASES = "128x128,512x512,1024x1024,128x2048,16x2048,32x4096,8x4096,1x204
 QUICK_CASES = "128x128,512x512,128x2048,16x2048,1x2048"
 NUM_LAYERS = 2  # so that layer-inner layouts really interleave the layers
 LAYER_NAME = "layer.1"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class Setup:
 
 
 def build_setup(args, max_seq_len: int) -> Setup:
-    mla, device, dtype = DEEPSEEK_V3, torch.device(args.device), DTYPES[args.dtype]
+    mla, device, dtype = DEEPSEEK_V3, torch.device(args.device), TORCH_DTYPES[args.dtype]
     backend, mla_backend = get_attention_backend(args.backend), get_mla_backend(args.backend)
     layer = MLAAttention(LAYER_NAME, args.num_heads, mla, scale=mla.qk_head_dim**-0.5)
     num_request_blocks = -(-max_seq_len // args.block_size)
@@ -204,10 +205,10 @@ def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("--device", default="cpu", help="cpu or cuda")
-    add("--dtype", choices=sorted(DTYPES), default="float32")
+    add("--dtype", choices=sorted(MODEL_DTYPES), default="float32")
     add("--backend", choices=["torch", "triton"], default="torch", help="attention and MLA both")
     add("--num-heads", type=int, default=16, help="query heads on this rank")
-    add("--block-size", type=int, default=defaults.BLOCK_SIZE)
+    add("--block-size", type=int, default=RankSettings.default("block_size"))
     add("--cases", default=None, help=f"QxS pairs (default {DEFAULT_CASES})")
     add("--quick", action="store_true", help=f"cases {QUICK_CASES}: about 10 s on a CPU")
     add("--warmup", type=int, default=1)

@@ -1,11 +1,9 @@
-"""The ``kvray bench`` modes. Each measuring one returns rows (dicts) for the report;
-``make_hybrid`` writes the hybrid checkpoint the benchmarks compare."""
+"""The ``kvray bench`` modes. Each returns rows (dicts) for the report."""
 
 from __future__ import annotations
 
 import asyncio
 from contextlib import contextmanager
-from pathlib import Path
 
 import msgspec
 import torch
@@ -16,8 +14,8 @@ from cluster.bench.workload import random_requests, shared_prefix_requests
 from cluster.client import Client
 from cluster.config import EngineConfig
 from cluster.launch import running_engine
+from kvcore.views import TORCH_DTYPES
 from workers.model_source import model_config_for
-from workers.worker import TORCH_DTYPES
 
 ENGINE_STAT_KEYS = (
     "kv_memory_waste",
@@ -168,36 +166,3 @@ def prefix(config: EngineConfig, args) -> list[dict]:
 def decode(config: EngineConfig, args) -> list[dict]:
     """The cost of one decode step at each context length (``cluster.bench.decode_cost``)."""
     return decode_cost(config, args)
-
-
-def make_deepseek(args) -> int:
-    from cluster.bench.deepseek_checkpoint import save_deepseek_checkpoint
-
-    directory = _new_directory(args.output_dir)
-    q_lora_rank = args.q_lora_rank or None
-    num_params = save_deepseek_checkpoint(directory, args.layers, q_lora_rank, args.seed)
-    print(
-        f"DeepSeek-V3 checkpoint (dense, MLA), {args.layers} layers, q_lora_rank "
-        f"{q_lora_rank}, {num_params / 1e6:.1f}M parameters, random weights (seed "
-        f"{args.seed}): {directory}"
-    )
-    return 0
-
-
-def _new_directory(path: str) -> Path:
-    directory = Path(path)
-    if directory.exists() and any(directory.iterdir()):
-        raise ValueError(f"{directory} is not empty: give a new or empty directory")
-    return directory
-
-
-def make_hybrid(args) -> int:
-    from cluster.bench.hybrid_checkpoint import save_hybrid_checkpoint
-
-    directory = _new_directory(args.output_dir)
-    num_params = save_hybrid_checkpoint(directory, args.pattern, args.seed)
-    print(
-        f"NemotronH checkpoint, layers {args.pattern}, {num_params / 1e6:.1f}M parameters, "
-        f"random weights (seed {args.seed}): {directory}"
-    )
-    return 0

@@ -1,4 +1,4 @@
-"""``kvray bench make-deepseek``: the checkpoint has DeepSeek-V3's attention in miniature, its
+"""``kvray make-checkpoint deepseek``: the checkpoint has DeepSeek-V3's attention in miniature, its
 parameter count is what that geometry implies, and kvray and transformers load the same files
 to the same greedy tokens."""
 
@@ -14,7 +14,7 @@ def test_make_deepseek_writes_a_checkpoint_both_engines_load(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
     directory = tmp_path / "ckpt"
-    args = ["bench", "make-deepseek", str(directory), "--layers", "2", "--q-lora-rank", "0"]
+    args = ["make-checkpoint", "deepseek", str(directory), "--layers", "2", "--q-lora-rank", "0"]
     assert main(args) == 0
     config = model_config_for(str(directory))
     assert config.architecture == "DeepseekV3ForCausalLM"
@@ -33,5 +33,5 @@ def test_make_deepseek_writes_a_checkpoint_both_engines_load(tmp_path, capsys):
     prompt = list(b"Hello, w")
     (reference,) = reference_generations(directory, [prompt], 4)
     assert generate_token_ids(directory, prompt, 4)["token_ids"] == reference
-    assert main(["bench", "make-deepseek", str(directory)]) == 2
+    assert main(["make-checkpoint", "deepseek", str(directory)]) == 2
     assert f"error: {directory} is not empty" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""``kvray bench make-hybrid`` and ``kvray bench decode``: the checkpoint loads in kvray and
+"""``kvray make-checkpoint hybrid`` and ``kvray bench decode``: the checkpoint loads in kvray and
 transformers alike, and the decode mode prints a row per context length, timed over steps
 that decode the whole batch (these are not timing tests). Run in this process: each command
 is a few seconds of work, and a fresh interpreter would cost as much again."""
@@ -35,7 +35,7 @@ def run_bench(capsys, tmp_path, *args: str) -> dict:
 @pytest.fixture(scope="module")
 def hybrid_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("hybrid") / "ckpt"
-    assert main(["bench", "make-hybrid", str(directory), "--pattern", "M*-M"]) == 0
+    assert main(["make-checkpoint", "hybrid", str(directory), "--pattern", "M*-M"]) == 0
     return directory
 
 
@@ -57,7 +57,7 @@ def test_make_hybrid_writes_a_checkpoint_both_engines_load(hybrid_dir, capsys):
     attention = 2 * 512 * 512 + 2 * 256 * 512
     expected = 2 * mamba + attention + 2 * 512 * 1280 + 5 * 512 + 2 * 258 * 512
     assert sum(p.numel() for p in hf_model.parameters()) == expected == 6_067_808
-    assert main(["bench", "make-hybrid", str(hybrid_dir)]) == 2
+    assert main(["make-checkpoint", "hybrid", str(hybrid_dir)]) == 2
     assert f"error: {hybrid_dir} is not empty" in capsys.readouterr().err
 
 
@@ -154,5 +154,5 @@ def test_decode_lengths_and_refusals(capsys):
     assert "--max-model-len 100 is too short" in error and "need 128 tokens" in error
     assert main(["bench", "decode", "--batch-size", "2", "--max-num-seqs", "1", *SMALL]) == 2
     assert "--batch-size 2 is over --max-num-seqs" in capsys.readouterr().err
-    assert main(["bench", "make-hybrid", "unused", "--pattern", "M*E"]) == 2
+    assert main(["make-checkpoint", "hybrid", "unused", "--pattern", "M*E"]) == 2
     assert "'M*E': one letter a layer, each of M, *, -" in capsys.readouterr().err

@@ -16,14 +16,15 @@ KV_CACHE_MEMORY = 8 << 20
 
 
 def tiny_model_options(model_dir, *, backend: str = "torch", tp: int = 1, **extra):
-    """A tiny checkpoint's worker: 4-token blocks, an 8 MiB cache."""
+    """A tiny checkpoint's worker: 4-token blocks, an 8 MiB cache, one Mamba state per
+    request (these runs plan blocks by hand, without the coordinator's prefix caching)."""
     return WorkerOptions(
         model=str(model_dir),
         tensor_parallel_size=tp,
         block_size=4,
         attention_backend=backend,
         kv_cache_memory_bytes=KV_CACHE_MEMORY,
-        **extra,
+        **{"enable_prefix_caching": False, **extra},
     )
 
 

@@ -150,7 +150,7 @@ def save_deepseek(
     directory: Path, *, q_lora_rank: int | None, version: int = 3, **overrides
 ) -> Path:
     """A tiny dense DeepSeek-V3 (or V2: the same MLA, complex-number RoPE) saved in fp32."""
-    from cluster.bench.random_checkpoint import save_random_checkpoint
+    from cluster.fixtures.random_checkpoint import save_random_checkpoint
 
     config = DEEPSEEK_V3 | overrides | {"q_lora_rank": q_lora_rank}
     save_random_checkpoint(directory, f"DeepseekV{version}", config, seed=0)

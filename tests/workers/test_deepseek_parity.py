@@ -12,8 +12,7 @@ longer chunks expand their context to per-head K/V (``workers.mla_metadata``). C
 
 from __future__ import annotations
 
-import dataclasses
-
+import msgspec
 import pytest
 
 from kernels.mla.torch_backend import TorchMLABackend
@@ -175,6 +174,6 @@ def test_triton_backend_matches_transformers(models):
     CPUs: a short run): first chunks of 9 expand, later ones (past the budget of 12) and
     decodes attend in latent space. Greedy outputs are prefixes of longer ones."""
     model_dir, expected = models("v3/q-none")
-    small = dataclasses.replace(options(model_dir, backend="triton"), max_num_batched_tokens=12)
+    small = msgspec.structs.replace(options(model_dir, backend="triton"), max_num_batched_tokens=12)
     outputs = run_in_process(small, "BLHNC", batches(5), chunk=9)
     assert outputs == {rid: tokens[:5] for rid, tokens in expected.items()}

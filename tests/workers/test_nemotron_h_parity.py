@@ -8,8 +8,7 @@ compares with transformers run one prompt at a time.
 
 from __future__ import annotations
 
-import dataclasses
-
+import msgspec
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -25,7 +24,6 @@ from tests.workers.engine import (
 from tests.workers.harness import StepDriver
 from tests.workers.hf_models import NUM_OUTPUT_TOKENS, PROMPTS, reference_generations
 from tests.workers.hf_models import save_nemotron_h as save_model
-from workers.kv_specs import StateCaching
 from workers.loader import load_state_dict, load_weights
 from workers.models.nemotron_h import NemotronHForCausalLM
 from workers.models.registry import load_model_config
@@ -168,10 +166,10 @@ def test_a_prefix_hit_resumes_from_a_checkpointed_state(models, backend, tp, lay
     shared = PROMPTS[0][:17]
     second = [*shared, 90, 91, 92, 93]
     (second_expected,) = reference_generations(model_dir, [second], num_tokens)
-    caching = StateCaching(interval=8, max_num_batched_tokens=256)
+    caching = dict(enable_prefix_caching=True, mamba_state_interval=8, max_num_batched_tokens=256)
     run = run_in_process if tp == 1 else run_tensor_parallel
     outputs = run(
-        dataclasses.replace(options(model_dir, backend=backend, tp=tp), state_caching=caching),
+        msgspec.structs.replace(options(model_dir, backend=backend, tp=tp), **caching),
         layout,
         [
             [("r0", PROMPTS[0], num_tokens, None)],

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvcore.dtypes import MODEL_DTYPES
 from workers.model_config import (
-    DTYPES,
     MambaConfig,
     ModelConfig,
     UnsupportedModelError,
@@ -33,9 +33,10 @@ def parse_nemotron_h(raw: dict[str, Any], generation: dict[str, Any]) -> ModelCo
     layer_types = _layer_types(raw)
     heads = raw.get("num_attention_heads", 32)
     ssm_dtype = raw.get("mamba_ssm_cache_dtype") or "float32"
-    if ssm_dtype not in (*DTYPES, "auto"):
+    if ssm_dtype not in (*MODEL_DTYPES, "auto"):
         raise UnsupportedModelError(
-            f"Unsupported mamba_ssm_cache_dtype {ssm_dtype!r}; supported: auto, {', '.join(DTYPES)}"
+            f"Unsupported mamba_ssm_cache_dtype {ssm_dtype!r}; supported: auto, "
+            f"{', '.join(MODEL_DTYPES)}"
         )
     mamba = MambaConfig(
         num_heads=raw.get("mamba_num_heads", 128),

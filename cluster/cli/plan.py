@@ -1,0 +1,28 @@
+"""``kvray plan``: the KV-cache plan a model would get (groups, pages, strides per layout,
+what fits), from its config alone: no weights are read and no GPU is needed."""
+
+from __future__ import annotations
+
+from cluster.cli.flags import add_setting_flags, engine_config
+from workers.model_source import model_config_for
+
+
+def add_parser(commands, common) -> None:
+    plan = commands.add_parser(
+        "plan", parents=[common], help="print the KV-cache plan without loading weights"
+    )
+    add_setting_flags(plan)
+    plan.add_argument(
+        "--layouts",
+        default="all",
+        help="comma-separated layouts to show strides for (default: all six)",
+    )
+
+
+def run(args) -> int:
+    from cluster.plan_report import plan_report
+
+    config = engine_config(args)
+    layouts = None if args.layouts == "all" else args.layouts.split(",")
+    print(plan_report(config, model_config_for(config.model), layouts))
+    return 0
