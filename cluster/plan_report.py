@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 from cluster.config import EngineConfig
 from cluster.startup import max_model_len_for
-from kernels.backends import get_attention_backend
+from kernels.attention import get_attention_backend
 from kvcore import (
     FullAttentionSpec,
     KVCacheConfig,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from cluster.config import EngineConfig
-from kernels.backends import get_attention_backend
+from kernels.attention import get_attention_backend
 from kvcore import (
     KVCacheConfig,
     RankReport,

@@ -7,7 +7,7 @@ triton (loaded only with the triton backend or the kernel modules) nor ray.
 
 from __future__ import annotations
 
-from kernels.backends import (
+from kernels.attention import (
     AttentionBackend,
     MultipleOf,
     UnknownAttentionBackendError,
@@ -15,8 +15,8 @@ from kernels.backends import (
     attention_backend_names,
     get_attention_backend,
 )
-from kernels.metadata import AttentionMetadata, build_attention_metadata
-from kernels.params import AttentionParams
+from kernels.attention.metadata import AttentionMetadata, build_attention_metadata
+from kernels.attention.params import AttentionParams
 
 __all__ = [
     "AttentionBackend",

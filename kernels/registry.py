@@ -35,7 +35,7 @@ def check_can_launch(device: torch.device, kind: str) -> None:
     """Triton kernels run on CUDA tensors, or on CPU tensors under the interpreter."""
     if device.type == "cuda":
         return
-    from kernels.paged_attention import is_interpreted
+    from kernels.triton_support import is_interpreted
 
     if not is_interpreted():
         raise RuntimeError(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.backends import AttentionBackend, MultipleOf
+from kernels.attention import AttentionBackend, MultipleOf
 from kvcore import KVCacheConfig, MambaSpec, create_kv_cache_views
 from kvcore._math import round_up
 

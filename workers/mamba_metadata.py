@@ -24,26 +24,21 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.mamba.chunks import SSDChunks, build_ssd_chunks
+from kernels.mamba import VarlenBatch
+from kernels.mamba.chunks import build_ssd_chunks
 
 HOST = torch.device("cpu")
 
 
 @dataclass(frozen=True)
-class MambaBatch:
-    """Requests of one kind in a step, in batch order."""
+class MambaBatch(VarlenBatch):
+    """Requests of one kind in a step, in batch order: the kernels' varlen batch (state slots,
+    whether each reads one, query starts, start positions, checkpoints, the scan's chunk
+    table, built once for every Mamba layer of the step), and where its tokens sit in the
+    step."""
 
-    token_index: torch.Tensor | None  # [T_b] int64 rows of the step's tokens; None: all, in order
-    query_start_loc: torch.Tensor  # [R_b + 1] int32, over this batch's tokens
-    state_indices: torch.Tensor  # [R_b] int32: each request's state slot (a block id)
-    has_initial_state: torch.Tensor  # [R_b] bool: False reads zeros, not the slot
-    start_positions: torch.Tensor  # [R_b] int32: each request's tokens computed before these
+    token_index: torch.Tensor | None = None  # [T_b] int64 rows of the step's tokens; None: all
     is_prompt: bool = True  # (SSD passes) the tokens are prompt tokens: dt is floored
-    # [M, 3] int32 (request in this batch, tokens of it consumed, slot): states to save on the
-    # way; None: none.
-    checkpoints: torch.Tensor | None = None
-    # (SSD passes) the scan's chunk table, built once for every Mamba layer of the step.
-    chunks: SSDChunks | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +146,7 @@ def build_mamba_metadata(
             start_positions=start_positions,
             is_prompt=is_prompt,
             checkpoints=saved,
+            chunk_size=chunk_size,
             chunks=chunks,
         )
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.metadata import HOST, AttentionMetadata, build_attention_metadata
+from kernels.attention.metadata import HOST, AttentionMetadata, build_attention_metadata
 from workers.model_config import MLAConfig
 
 

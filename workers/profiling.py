@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
-from kernels.backends import AttentionBackend
+from kernels.attention import AttentionBackend
 from kvcore import KVCacheSpec, get_kv_cache_config_from_groups, get_kv_cache_groups
 from kvcore._math import cdiv
 from workers.kv_cache import allocate_kv_cache

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.backends import AttentionBackend
+from kernels.attention import AttentionBackend
 from kvcore import KVCacheConfig, MambaSpec, MLAAttentionSpec, iter_layer_specs
 from kvcore._math import cdiv
 from workers.block_table import BlockTable

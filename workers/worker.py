@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.backends import get_attention_backend
+from kernels.attention import get_attention_backend
 from kernels.mamba import get_mamba_backend
 from kernels.mla import get_mla_backend
 from kvcore import KVCacheConfig, RankReport, decode, encode

@@ -8,7 +8,7 @@ reported so, and the others still run):
 
 1. ``gpu tests``: ``pytest -m gpu`` (tests/e2e/test_gpu.py): requests served through Ray with
    the Triton backend in all six layouts, bf16, sampling at temperature > 0, TP 2 on two GPUs.
-2. ``attention``: ``python -m kernels.bench_attention``: decode bandwidth against the device's
+2. ``attention``: ``python -m kernels.attention.bench``: decode bandwidth against the device's
    copy bandwidth, prefill against SDPA, every layout.
 3. ``throughput``: ``kvray bench throughput`` through Ray against transformers on the same
    device and dtype.
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         ("gpu tests", [python, "-m", "pytest", "-q", "-m", "gpu", "tests/e2e"], 240),
         (
             "attention",
-            [python, "-m", "kernels.bench_attention", *(["--small"] if args.smoke else [])],
+            [python, "-m", "kernels.attention.bench", *(["--small"] if args.smoke else [])],
             120,
         ),
         (

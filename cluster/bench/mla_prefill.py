@@ -37,7 +37,7 @@ import torch
 
 import kvcore
 from cluster.bench.report import format_table, write_json
-from kernels.backends import AttentionBackend, get_attention_backend
+from kernels.attention import AttentionBackend, get_attention_backend
 from kernels.mla import MLABackend, get_mla_backend
 from kvcore.dtypes import MODEL_DTYPES
 from kvcore.views import TORCH_DTYPES

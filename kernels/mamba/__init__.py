@@ -7,7 +7,13 @@ Backends by name, as for attention: a backend's module is imported only when it 
 
 from __future__ import annotations
 
-from kernels.mamba.base import MambaBackend, UnknownMambaBackendError
+from kernels.mamba.base import (
+    ConvWeights,
+    MambaBackend,
+    SSDParams,
+    UnknownMambaBackendError,
+    VarlenBatch,
+)
 from kernels.registry import BackendRegistry
 
 _REGISTRY = BackendRegistry(
@@ -29,4 +35,12 @@ def get_mamba_backend(name: str) -> MambaBackend:
     return _REGISTRY.get(name)
 
 
-__all__ = ["MambaBackend", "UnknownMambaBackendError", "get_mamba_backend", "mamba_backend_names"]
+__all__ = [
+    "ConvWeights",
+    "MambaBackend",
+    "SSDParams",
+    "UnknownMambaBackendError",
+    "VarlenBatch",
+    "get_mamba_backend",
+    "mamba_backend_names",
+]

@@ -11,20 +11,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.mamba.base import ConvWeights, VarlenBatch
+
 
 def conv1d_prefill_reference(
     x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
+    conv: ConvWeights,
     conv_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    checkpoints: torch.Tensor | None = None,
+    batch: VarlenBatch,
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``MambaBackend.conv1d_prefill``: ``silu(conv(x) + bias)`` ``[T, D]``, states written."""
+    weight, bias, state_indices = conv.weight, conv.bias, batch.state_indices
+    has_initial_state, query_start_loc = batch.has_initial_state, batch.query_start_loc
+    checkpoints = batch.checkpoints
     num_tokens, dim = x.shape
     width = check_conv_shapes(x, weight, conv_state)
     history = width - 1
@@ -63,14 +64,14 @@ def conv1d_prefill_reference(
 
 def conv1d_decode_reference(
     x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
+    conv: ConvWeights,
     conv_state: torch.Tensor,
     state_indices: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``MambaBackend.conv1d_decode``: one token per request, each slot's window shifted."""
+    weight, bias = conv.weight, conv.bias
     check_conv_shapes(x, weight, conv_state)
     slots = state_indices.long()
     window = torch.cat([conv_state[slots].float(), x.float()[:, None]], dim=1)  # [R, K, D]

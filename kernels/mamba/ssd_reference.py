@@ -12,35 +12,29 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.mamba.chunks import SSDChunks, build_ssd_chunks
+from kernels.mamba.base import SSDParams, VarlenBatch
+from kernels.mamba.chunks import SSDChunks
 
 
 def ssd_prefill_reference(
     x: torch.Tensor,
     dt: torch.Tensor,
-    A: torch.Tensor,
     B: torch.Tensor,
     C: torch.Tensor,
-    D: torch.Tensor,
-    dt_bias: torch.Tensor,
+    params: SSDParams,
     ssm_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    chunk_size: int,
-    dt_min: float = 0.0,
-    start_positions: torch.Tensor | None = None,
-    checkpoints: torch.Tensor | None = None,
+    batch: VarlenBatch,
     *,
-    chunks: SSDChunks | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``MambaBackend.ssd_prefill``: y ``[T, H, P]`` (into ``out`` if given); final states and
     checkpoints written."""
     num_heads, num_groups = x.shape[1], B.shape[1]
     check_ssd_shapes(x, dt, B, C, ssm_state)
-    if chunks is None:
-        chunks = build_ssd_chunks(query_start_loc, chunk_size, start_positions, checkpoints)
+    chunks = batch.ssd_chunks()
+    chunk_size = chunks.chunk_size
+    A, D = params.A, params.D
+    state_indices = batch.state_indices
     num_chunks, heads = chunks.num_chunks_total, num_heads // num_groups
     # Each chunk as chunk_size cells; cells past the chunk's end get dt' = 0, so they neither
     # decay nor feed the state, and their outputs are dropped.
@@ -52,7 +46,7 @@ def ssd_prefill_reference(
         cells = t.float().index_select(0, token).unflatten(0, (num_chunks, chunk_size))
         return cells.movedim(1, -1)
 
-    dt_step = by_chunk(softplus_dt(dt, dt_bias, dt_min)) * is_token[:, None]  # [NC, H, Q]
+    dt_step = by_chunk(softplus_dt(dt, params.dt_bias, params.dt_min)) * is_token[:, None]
     x_cells = by_chunk(x).transpose(-1, -2)  # [NC, H, Q, P]
     b_cells = by_chunk(B).transpose(-1, -2)[:, :, None]  # [NC, G, 1, Q, N]: shared by a group
     c_cells = by_chunk(C).transpose(-1, -2)[:, :, None]
@@ -60,7 +54,7 @@ def ssd_prefill_reference(
     grouped = (num_chunks, num_groups, heads)  # head h reads group h // (H/G)
 
     y, chunk_states = _within_chunks(x_cells, dt_step, log_decay, b_cells, c_cells, grouped)
-    initial = _initial_states(ssm_state, state_indices, has_initial_state)  # [R, H, P, N]
+    initial = _initial_states(ssm_state, state_indices, batch.has_initial_state)  # [R, H, P, N]
     states_in, states_out, final = _pass_states(chunks, chunk_states, log_decay[..., -1], initial)
 
     # From the state entering the chunk: y_i += exp(cs_i) C_i · h_in.
@@ -81,14 +75,11 @@ def ssd_prefill_reference(
 def ssd_decode_reference(
     x: torch.Tensor,
     dt: torch.Tensor,
-    A: torch.Tensor,
     B: torch.Tensor,
     C: torch.Tensor,
-    D: torch.Tensor,
-    dt_bias: torch.Tensor,
+    params: SSDParams,
     ssm_state: torch.Tensor,
     state_indices: torch.Tensor,
-    dt_min: float = 0.0,
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -97,12 +88,12 @@ def ssd_decode_reference(
     check_ssd_shapes(x, dt, B, C, ssm_state)
     slots = state_indices.long()
     state = ssm_state[slots].float()  # [R, H, P, N]
-    dt_step = softplus_dt(dt, dt_bias, dt_min)  # [R, H]
+    dt_step = softplus_dt(dt, params.dt_bias, params.dt_min)  # [R, H]
     group = torch.arange(num_heads, device=x.device) // (num_heads // num_groups)
     b, c = B.float()[:, group], C.float()[:, group]  # [R, G, N] -> [R, H, N]
     inflow = (dt_step[..., None] * x.float())[..., None] * b[:, :, None]  # [R, H, P, N]
-    state = torch.exp(dt_step * A.float())[..., None, None] * state + inflow
-    y = torch.einsum("rhpn,rhn->rhp", state, c) + D.float()[:, None] * x.float()
+    state = torch.exp(dt_step * params.A.float())[..., None, None] * state + inflow
+    y = torch.einsum("rhpn,rhn->rhp", state, c) + params.D.float()[:, None] * x.float()
     ssm_state[slots] = state.to(ssm_state.dtype)
     out = torch.empty_like(x) if out is None else out
     out.copy_(y)

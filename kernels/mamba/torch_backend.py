@@ -11,23 +11,14 @@ from kernels.mamba.ssd_reference import ssd_decode_reference, ssd_prefill_refere
 class TorchMambaBackend(MambaBackend):
     name = "torch"
 
-    def conv1d_prefill(self, x, weight, bias, conv_state, state_indices, has_initial_state,
-                       query_start_loc, checkpoints=None):  # fmt: skip
-        return conv1d_prefill_reference(
-            x, weight, bias, conv_state, state_indices, has_initial_state, query_start_loc,
-            checkpoints,
-        )  # fmt: skip
+    def conv1d_prefill(self, x, conv, conv_state, batch):
+        return conv1d_prefill_reference(x, conv, conv_state, batch)
 
-    def conv1d_decode(self, x, weight, bias, conv_state, state_indices):
-        return conv1d_decode_reference(x, weight, bias, conv_state, state_indices)
+    def conv1d_decode(self, x, conv, conv_state, state_indices):
+        return conv1d_decode_reference(x, conv, conv_state, state_indices)
 
-    def ssd_prefill(self, x, dt, A, B, C, D, dt_bias, ssm_state, state_indices,
-                    has_initial_state, query_start_loc, chunk_size, dt_min=0.0,
-                    start_positions=None, checkpoints=None, *, chunks=None):  # fmt: skip
-        return ssd_prefill_reference(
-            x, dt, A, B, C, D, dt_bias, ssm_state, state_indices, has_initial_state,
-            query_start_loc, chunk_size, dt_min, start_positions, checkpoints, chunks=chunks,
-        )  # fmt: skip
+    def ssd_prefill(self, x, dt, B, C, params, ssm_state, batch):
+        return ssd_prefill_reference(x, dt, B, C, params, ssm_state, batch)
 
-    def ssd_decode(self, x, dt, A, B, C, D, dt_bias, ssm_state, state_indices, dt_min=0.0):
-        return ssd_decode_reference(x, dt, A, B, C, D, dt_bias, ssm_state, state_indices, dt_min)
+    def ssd_decode(self, x, dt, B, C, params, ssm_state, state_indices):
+        return ssd_decode_reference(x, dt, B, C, params, ssm_state, state_indices)

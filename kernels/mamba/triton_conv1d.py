@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.mamba.base import ConvWeights, VarlenBatch
 from kernels.mamba.conv1d_reference import check_conv_shapes
 
 BLOCK_T, BLOCK_D = 16, 64
@@ -151,17 +152,15 @@ def _conv1d_decode_kernel(
 
 def conv1d_prefill(
     x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
+    conv: ConvWeights,
     conv_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    checkpoints: torch.Tensor | None = None,
+    batch: VarlenBatch,
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``MambaBackend.conv1d_prefill`` (see ``kernels.mamba.base``), into ``out`` if given."""
+    weight, bias, state_indices = conv.weight, conv.bias, batch.state_indices
+    has_initial_state, query_start_loc = batch.has_initial_state, batch.query_start_loc
     width = check_conv_shapes(x, weight, conv_state)
     _check_last_dim_contiguous(conv_state)
     num_tokens, dim = x.shape
@@ -179,7 +178,7 @@ def conv1d_prefill(
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
     requests = torch.arange(num_reqs, device=x.device, dtype=torch.int32)
     finals = torch.stack([requests, query_lens.to(torch.int32), state_indices.to(torch.int32)], 1)
-    for rows in (checkpoints, finals):  # checkpoints first: they may read r's initial state
+    for rows in (batch.checkpoints, finals):  # checkpoints first: they may read r's initial state
         if rows is None or rows.shape[0] == 0:
             continue
         _conv1d_state_kernel[(rows.shape[0], num_d_blocks)](
@@ -192,14 +191,14 @@ def conv1d_prefill(
 
 def conv1d_decode(
     x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
+    conv: ConvWeights,
     conv_state: torch.Tensor,
     state_indices: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``MambaBackend.conv1d_decode`` (see ``kernels.mamba.base``), into ``out`` if given."""
+    weight, bias = conv.weight, conv.bias
     width = check_conv_shapes(x, weight, conv_state)
     _check_last_dim_contiguous(conv_state)
     num_reqs, dim = x.shape

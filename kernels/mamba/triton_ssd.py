@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.mamba.chunks import SSDChunks, build_ssd_chunks
+from kernels.mamba.base import SSDParams, VarlenBatch
 from kernels.mamba.ssd_reference import check_ssd_shapes
 from kernels.mamba.triton_ssd_chunk import chunk_cb, chunk_cumsum, chunk_states
 from kernels.mamba.triton_ssd_scan import chunk_scan, pass_states
@@ -21,21 +21,12 @@ from kernels.mamba.triton_ssd_scan import chunk_scan, pass_states
 def ssd_prefill(
     x: torch.Tensor,
     dt: torch.Tensor,
-    A: torch.Tensor,
     B: torch.Tensor,
     C: torch.Tensor,
-    D: torch.Tensor,
-    dt_bias: torch.Tensor,
+    params: SSDParams,
     ssm_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    chunk_size: int,
-    dt_min: float = 0.0,
-    start_positions: torch.Tensor | None = None,
-    checkpoints: torch.Tensor | None = None,
+    batch: VarlenBatch,
     *,
-    chunks: SSDChunks | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``MambaBackend.ssd_prefill`` (see ``kernels.mamba.base``), into ``out`` if given."""
@@ -43,13 +34,12 @@ def ssd_prefill(
     if ssm_state.stride(-1) != 1:
         raise ValueError(f"ssm_state's last dim must be contiguous: strides {ssm_state.stride()}.")
     out = torch.empty_like(x) if out is None else out
-    if chunks is None:
-        chunks = build_ssd_chunks(query_start_loc, chunk_size, start_positions, checkpoints)
-    if state_indices.shape[0] == 0:
+    chunks = batch.ssd_chunks()
+    if batch.state_indices.shape[0] == 0:
         return out
-    dt_step, cum = chunk_cumsum(dt, dt_bias, A, chunks, dt_min)  # [NC, H, Q] each
+    dt_step, cum = chunk_cumsum(dt, params.dt_bias, params.A, chunks, params.dt_min)  # [NC, H, Q]
     states = chunk_states(x, B, dt_step, cum, chunks)  # [NC, H, P, N]
     cb = chunk_cb(C, B, chunks)  # [NC, G, Q, Q]
-    pass_states(states, cum, ssm_state, state_indices, has_initial_state, chunks)
-    chunk_scan(out, x, C, D, cb, cum, dt_step, states, chunks)  # states: entering each chunk
+    pass_states(states, cum, ssm_state, batch.state_indices, batch.has_initial_state, chunks)
+    chunk_scan(out, x, C, params.D, cb, cum, dt_step, states, chunks)  # states: entering each
     return out

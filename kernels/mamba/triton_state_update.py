@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.mamba.base import SSDParams
 from kernels.mamba.ssd_reference import check_ssd_shapes
 
 
@@ -63,14 +64,11 @@ def _state_update_kernel(
 def ssd_decode(
     x: torch.Tensor,
     dt: torch.Tensor,
-    A: torch.Tensor,
     B: torch.Tensor,
     C: torch.Tensor,
-    D: torch.Tensor,
-    dt_bias: torch.Tensor,
+    params: SSDParams,
     ssm_state: torch.Tensor,
     state_indices: torch.Tensor,
-    dt_min: float = 0.0,
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -86,7 +84,8 @@ def ssd_decode(
     block_p = max(1, min(triton.next_power_of_2(head_dim), 4096 // state_pad))
     grid = (num_reqs, num_heads, triton.cdiv(head_dim, block_p))
     _state_update_kernel[grid](
-        out, x, dt, A, B, C, D, dt_bias, ssm_state, state_indices, dt_min, head_dim, state_size,
+        out, x, dt, params.A, B, C, params.D, params.dt_bias, ssm_state, state_indices,
+        params.dt_min, head_dim, state_size,
         num_heads // num_groups, *x.stride(), *out.stride(), *dt.stride(), *B.stride(),
         *C.stride(), *ssm_state.stride(), BLOCK_P=block_p, STATE_PAD=state_pad,
     )  # fmt: skip

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.attention.reference import gather_request_kv
 from kernels.mla.base import as_latent_view, check_decode_args, check_write_args
-from kernels.reference import gather_request_kv
 
 
 def write_latent_reference(

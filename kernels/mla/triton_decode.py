@@ -13,8 +13,9 @@ loaded once and used for both products. Two launches:
 2. ``_merge_splits_kernel``, one program per (request, head): the splits' outputs weighted by
    their softmax mass, ``Σ 2^lse_s o_s / Σ 2^lse_s``.
 
-A position reaches the cache as in ``kernels.paged_attention``: block table, slot, kernel block
-and row, then the view's strides, so every layout and kernel-block split takes the same path.
+A position reaches the cache as in ``kernels.attention.paged_attention``: block table, slot,
+kernel block and row, then the view's strides, so every layout and kernel-block split takes the
+same path.
 The torch reference is ``kernels.mla.reference.mla_decode_reference``.
 """
 
@@ -25,10 +26,9 @@ import triton
 import triton.language as tl
 
 from kernels.mla.base import DEFAULT_NUM_SPLITS, as_latent_view, check_decode_args
-from kernels.paged_attention import is_interpreted
+from kernels.triton_support import TL_DTYPES, is_interpreted
 
 LOG2E = 1.4426950408889634
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # Query heads per program: all share every latent load; tl.dot needs 16 rows on GPUs.
 BLOCK_H = 16
 TILE_N = 32  # context positions per step
@@ -163,7 +163,7 @@ def mla_decode(
     check_decode_args(q_latent, q_pe, block_table, seq_lens, num_splits, out)
     num_reqs, num_heads, latent_size = q_latent.shape
     view = as_latent_view(kv_cache, latent_size, q_pe.shape[-1])
-    if view.dtype not in _TL_DTYPES:
+    if view.dtype not in TL_DTYPES:
         raise ValueError(f"mla_decode reads fp32/bf16/fp16 caches, not {view.dtype}.")
     if out is None:
         out = torch.empty_like(q_latent)
@@ -205,7 +205,7 @@ def split_constexprs(
     q_latent: torch.Tensor, q_pe: torch.Tensor, view: torch.Tensor, block_size: int
 ) -> dict[str, object]:
     """The compile-time settings of the split kernel's launch."""
-    compute_dtype = tl.float32 if is_interpreted() else _TL_DTYPES[view.dtype]
+    compute_dtype = tl.float32 if is_interpreted() else TL_DTYPES[view.dtype]
     return dict(
         LATENT_SIZE=q_latent.shape[-1],
         ROPE_SIZE=q_pe.shape[-1],

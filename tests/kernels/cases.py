@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 import kvcore
-from kernels.metadata import AttentionMetadata, build_attention_metadata
-from kernels.reference import write_kv_reference
+from kernels.attention.metadata import AttentionMetadata, build_attention_metadata
+from kernels.attention.reference import write_kv_reference
 
 # Compiled kernels on a GPU; the Triton interpreter (see conftest.py) on a CPU.
 DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import kvcore
-from kernels.paged_attention import paged_attention
-from kernels.params import AttentionParams
+from kernels.attention.paged_attention import paged_attention
+from kernels.attention.params import AttentionParams
 from tests.kernels.cases import (
     BATCHES,
     DEVICE,

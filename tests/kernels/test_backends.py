@@ -18,7 +18,7 @@ from kernels import (
     attention_backend_names,
     get_attention_backend,
 )
-from kernels.backends.torch_backend import TorchAttentionBackend
+from kernels.attention.torch_backend import TorchAttentionBackend
 from tests.kernels.cases import BATCHES, DEVICE, blocks_needed, make_cache, randn
 
 SPEC = kvcore.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype="float32")

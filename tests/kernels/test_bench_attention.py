@@ -4,7 +4,7 @@ on the CPU every timed call is also checked against the torch reference."""
 from __future__ import annotations
 
 import kvcore
-from kernels import bench_attention
+from kernels.attention import bench as bench_attention
 
 
 def test_bench_runs_small_on_cpu(capsys):

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import kvcore
-from kernels.cache_write import write_kv
-from kernels.reference import write_kv_reference
+from kernels.attention.cache_write import write_kv
+from kernels.attention.reference import write_kv_reference
 from tests.kernels.cases import DEVICE, DTYPES, LAYER_NAMES, make_cache, randn
 
 WRITERS = {"triton": write_kv, "torch": write_kv_reference}

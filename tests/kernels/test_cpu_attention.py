@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import kvcore
-from kernels import cpu_attention
-from kernels.backends.torch_backend import TorchAttentionBackend
-from kernels.params import AttentionParams
+from kernels.attention import cpu_attention
+from kernels.attention.params import AttentionParams
+from kernels.attention.torch_backend import TorchAttentionBackend
 from tests.kernels.cases import (
     BATCHES,
     WINDOW,
@@ -84,7 +84,7 @@ def test_kernel_block_split_views(layout):
 
 def test_without_a_compiler_the_backend_serves_through_the_reference(monkeypatch):
     monkeypatch.setattr(cpu_attention, "decode_kernel", lambda: None)
-    monkeypatch.setattr("kernels.backends.torch_backend.decode_kernel", lambda: None)
+    monkeypatch.setattr("kernels.attention.torch_backend.decode_kernel", lambda: None)
     spec = kvcore.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype="float32")
     cache = make_cache("BLHNC", spec, 12)
     batch = make_batch(cache, BATCHES["decode"], 4, torch.Generator().manual_seed(4))

@@ -210,9 +210,9 @@ def _launcher_call(variant):
     import torch
 
     import kvcore
-    from kernels import cache_write, paged_attention
-    from kernels.metadata import build_attention_metadata
-    from kernels.params import AttentionParams
+    from kernels.attention import cache_write, paged_attention
+    from kernels.attention.metadata import build_attention_metadata
+    from kernels.attention.params import AttentionParams
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[variant.dtype]
     s = variant.shape
@@ -245,7 +245,7 @@ def _launcher_call(variant):
 
 def _check_launch(variant, constexprs) -> None:
     """The launcher chose the tile and switches the variant is named for."""
-    from kernels.paged_attention import DECODE_BLOCK_M, PREFILL_BLOCK_M
+    from kernels.attention.paged_attention import DECODE_BLOCK_M, PREFILL_BLOCK_M
 
     if isinstance(variant, CacheWrite):
         return

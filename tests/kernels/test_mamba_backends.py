@@ -43,7 +43,9 @@ def test_torch_backend_imports_no_triton():
         "b = get_mamba_backend('torch')\n"
         "x, w, s = torch.ones(3, 4), torch.ones(4, 4), torch.zeros(2, 3, 4)\n"
         "qsl, idx = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)\n"
-        "b.conv1d_prefill(x, w, None, s, idx, torch.tensor([False]), qsl)\n"
+        "from kernels.mamba import ConvWeights, VarlenBatch\n"
+        "batch = VarlenBatch(idx, torch.tensor([False]), qsl)\n"
+        "b.conv1d_prefill(x, ConvWeights(w, None), s, batch)\n"
         "get_mamba_backend('triton')\n"
         "print('triton' in sys.modules)"
     )
@@ -63,9 +65,8 @@ def test_ssd_prefill_torch_matches_triton_on_tiled_geometry(chunk_size):
     for name in ("torch", "triton"):
         state = batch.ssm_state.clone()
         y = get_mamba_backend(name).ssd_prefill(
-            *batch.args()[:-1], state, batch.slots, batch.has_initial, batch.query_start_loc,
-            chunk_size, start_positions=batch.start_positions, checkpoints=batch.checkpoints,
-        )  # fmt: skip
+            batch.x, batch.dt, batch.B, batch.C, batch.params(), state, batch.varlen(chunk_size)
+        )
         assert_close(y, expected_y, torch.float32)
         for slot, value in expected_states.items():
             assert_close(state[slot], value, torch.float32)
@@ -81,10 +82,7 @@ def test_conv1d_torch_matches_triton_on_wide_channels():
     results = []
     for name in ("torch", "triton"):
         state = batch.conv_state.clone()
-        out = get_mamba_backend(name).conv1d_prefill(
-            batch.x, batch.weight, batch.bias, state, batch.slots, batch.has_initial,
-            batch.query_start_loc, batch.checkpoints,
-        )  # fmt: skip
+        out = get_mamba_backend(name).conv1d_prefill(batch.x, batch.conv(), state, batch.varlen())
         results.append((out, state))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-4, atol=1e-4)

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.mamba import get_mamba_backend
+from kernels.mamba import ConvWeights, VarlenBatch, get_mamba_backend
 from tests.kernels.cases import DEVICE, strided_state
 
 BACKENDS = ("torch", "triton")
@@ -36,6 +36,14 @@ class ConvBatch:
     has_initial: torch.Tensor  # [R] bool
     query_start_loc: torch.Tensor  # [R+1] int32
     checkpoints: torch.Tensor  # [M, 3] int32: (request, tokens consumed, slot)
+
+    def conv(self) -> ConvWeights:
+        return ConvWeights(self.weight, self.bias)
+
+    def varlen(self) -> VarlenBatch:
+        return VarlenBatch(
+            self.slots, self.has_initial, self.query_start_loc, checkpoints=self.checkpoints
+        )
 
 
 def make_batch(query_lens, has_initial, dim=24, width=4, dtype=torch.float32, checkpoints=(),
@@ -90,9 +98,8 @@ def run_prefill(backend: str, batch: ConvBatch):
     for slot in set(range(NUM_SLOTS)) - {int(s) for s in batch.slots[batch.has_initial]}:
         batch.conv_state[slot] = float("nan")  # unread slots: poison, they must not leak in
     out = get_mamba_backend(backend).conv1d_prefill(
-        batch.x, batch.weight, batch.bias, batch.conv_state, batch.slots, batch.has_initial,
-        batch.query_start_loc, batch.checkpoints,
-    )  # fmt: skip
+        batch.x, batch.conv(), batch.conv_state, batch.varlen()
+    )
     assert out.shape == batch.x.shape and out.dtype == batch.x.dtype
     assert_close(out, expected_out, batch.x.dtype)
     assert set(expected_states) == written
@@ -127,7 +134,7 @@ def test_decode_shifts_each_window(backend):
     others = [s for s in range(NUM_SLOTS) if s not in batch.slots.tolist()]
     untouched = batch.conv_state[others].clone()
     out = get_mamba_backend(backend).conv1d_decode(
-        batch.x, batch.weight, batch.bias, batch.conv_state, batch.slots
+        batch.x, batch.conv(), batch.conv_state, batch.slots
     )
     assert_close(out, expected, torch.float32)
     assert_close(batch.conv_state[batch.slots.long()], window[:, 1:], torch.float32)

@@ -75,6 +75,7 @@ def _launcher_call(variant: str):
 
     import torch
 
+    from kernels.mamba import ConvWeights, SSDParams, VarlenBatch
     from kernels.mamba.triton_conv1d import conv1d_decode, conv1d_prefill
     from kernels.mamba.triton_ssd import ssd_prefill
     from kernels.mamba.triton_state_update import ssd_decode
@@ -99,28 +100,26 @@ def _launcher_call(variant: str):
     if words[0] == "conv1d_prefill":
         x = torch.zeros(301, dim, dtype=act_dtype)
         ckpt = torch.tensor([[0, 128, 5]], dtype=torch.int32)
-        return functools.partial(
-            conv1d_prefill, x, torch.zeros(dim, width, dtype=act_dtype),
-            torch.zeros(dim, dtype=act_dtype), state((8, width - 1, dim)), slots, has_initial,
-            qsl, ckpt,
-        )  # fmt: skip
+        conv = ConvWeights(
+            torch.zeros(dim, width, dtype=act_dtype), torch.zeros(dim, dtype=act_dtype)
+        )
+        batch = VarlenBatch(slots, has_initial, qsl, checkpoints=ckpt)
+        return functools.partial(conv1d_prefill, x, conv, state((8, width - 1, dim)), batch)
     if words[0] == "conv1d_decode":
+        conv = ConvWeights(torch.zeros(dim, width, dtype=act_dtype), None)
         return functools.partial(
-            conv1d_decode, torch.zeros(2, dim, dtype=act_dtype),
-            torch.zeros(dim, width, dtype=act_dtype), None, state((8, width - 1, dim)), slots,
+            conv1d_decode, torch.zeros(2, dim, dtype=act_dtype), conv, state((8, width - 1, dim)),
+            slots,
         )  # fmt: skip
     num_tokens = 301 if words[0] == "ssd_prefill" else 2
     x = torch.zeros(num_tokens, heads, head_dim, dtype=act_dtype)
     dt = torch.zeros(num_tokens, heads, dtype=act_dtype)
     bc = torch.zeros(num_tokens, 2 * groups, state_size, dtype=act_dtype)
-    A = -torch.ones(heads)
-    params = (A, bc[:, :groups], bc[:, groups:], torch.ones(heads), torch.zeros(heads))
+    params = SSDParams(-torch.ones(heads), torch.ones(heads), torch.zeros(heads), dt_min=1e-4)
+    B, C = bc[:, :groups], bc[:, groups:]
     ssm_state = state((8, heads, head_dim, state_size))
     if words[0] == "ssd_decode":
-        return functools.partial(ssd_decode, x, dt, *params[:3], *params[3:], ssm_state, slots,
-                                 dt_min=1e-4)  # fmt: skip
+        return functools.partial(ssd_decode, x, dt, B, C, params, ssm_state, slots)
     ckpt = torch.tensor([[0, 256, 5]], dtype=torch.int32)
-    return functools.partial(
-        ssd_prefill, x, dt, *params, ssm_state, slots, has_initial, qsl, chunk, dt_min=1e-4,
-        start_positions=starts, checkpoints=ckpt,
-    )  # fmt: skip
+    batch = VarlenBatch(slots, has_initial, qsl, starts, ckpt, chunk)
+    return functools.partial(ssd_prefill, x, dt, B, C, params, ssm_state, batch)

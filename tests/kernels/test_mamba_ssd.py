@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.mamba import get_mamba_backend
+from kernels.mamba import SSDParams, VarlenBatch, get_mamba_backend
 from tests.kernels.cases import DEVICE, strided_state
 
 BACKENDS = ("torch", "triton")
@@ -50,6 +50,16 @@ class SSDBatch:
 
     def args(self) -> tuple:
         return (self.x, self.dt, self.A, self.B, self.C, self.D, self.dt_bias, self.ssm_state)
+
+    def params(self, dt_min: float | None = None) -> SSDParams:
+        dt_min = self.dt_min if dt_min is None else dt_min
+        return SSDParams(self.A, self.D, self.dt_bias, dt_min)
+
+    def varlen(self, chunk_size: int) -> VarlenBatch:
+        return VarlenBatch(
+            self.slots, self.has_initial, self.query_start_loc, self.start_positions,
+            self.checkpoints, chunk_size,
+        )  # fmt: skip
 
 
 def make_batch(query_lens=QUERY_LENS, has_initial=HAS_INITIAL, start_positions=START_POSITIONS,
@@ -125,8 +135,8 @@ def run_prefill(backend: str, batch: SSDBatch, chunk_size: int) -> None:
     for slot in set(range(NUM_SLOTS)) - read:
         batch.ssm_state[slot] = float("nan")
     y = get_mamba_backend(backend).ssd_prefill(
-        *batch.args(), batch.slots, batch.has_initial, batch.query_start_loc, chunk_size,
-        dt_min=batch.dt_min, start_positions=batch.start_positions, checkpoints=batch.checkpoints,
+        batch.x, batch.dt, batch.B, batch.C, batch.params(), batch.ssm_state,
+        batch.varlen(chunk_size),
     )  # fmt: skip
     assert y.shape == batch.x.shape and y.dtype == batch.x.dtype
     assert_close(y, expected_y, batch.x.dtype)
@@ -185,8 +195,8 @@ def test_decode_steps(backend, num_groups, dt_min):
         step_batch = make_batch([1, 1, 1, 1], [True] * 4, [0] * 4, num_groups=num_groups,
                                 seed=20 + step)  # fmt: skip
         x, dt, _, B, C, *_ = step_batch.args()
-        y = backend.ssd_decode(x, dt, batch.A, B, C, batch.D, batch.dt_bias, batch.ssm_state,
-                               batch.slots, dt_min=dt_min)  # fmt: skip
+        y = backend.ssd_decode(x, dt, B, C, batch.params(dt_min), batch.ssm_state,
+                               batch.slots)  # fmt: skip
         params = [t.double().cpu() for t in (batch.A, batch.D, batch.dt_bias)]
         for r in range(4):
             states[r], expected = recurrence_step(

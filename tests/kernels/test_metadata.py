@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.metadata import build_attention_metadata
+from kernels.attention.metadata import build_attention_metadata
 
 
 def test_exact_slots_with_padding():

@@ -1,9 +1,10 @@
 """Absorbed MLA decode against naive multi-head attention, and Triton against the torch reference.
 
 The oracle is the model's math without the trick: per head, keys ``[c W_UK^T | k_pe]`` and values
-``c W_UV`` built from the latents, attended by ``kernels.reference.dense_attention_float64``. The
-absorbed path projects the nope query into latent space, decodes over the paged latent cache and
-projects the result through ``W_UV``; in float64 the two agree to rounding. The Triton kernel
+``c W_UV`` built from the latents, attended by
+``kernels.attention.reference.dense_attention_float64``. The absorbed path projects the nope
+query into latent space, decodes over the paged latent cache and projects the result through
+``W_UV``; in float64 the two agree to rounding. The Triton kernel
 then must match the torch reference in float32 (and bf16) over kvcore's block- and
 layer-outermost MLA views, with uneven contexts (1..70 tokens, so some splits are empty) and 1-3
 splits. Outputs, and the kernel's split workspace, start as NaN.
@@ -17,11 +18,11 @@ import pytest
 import torch
 
 import kvcore
-from kernels.metadata import build_attention_metadata
+from kernels.attention.metadata import build_attention_metadata
+from kernels.attention.params import AttentionParams
+from kernels.attention.reference import dense_attention_float64
 from kernels.mla import get_mla_backend, triton_decode
 from kernels.mla.reference import write_latent_reference
-from kernels.params import AttentionParams
-from kernels.reference import dense_attention_float64
 from tests.kernels.cases import DEVICE, make_cache, poisoned, relative_error
 
 pytestmark = pytest.mark.usefixtures("poison_new_outputs", "poison_split_workspace")

@@ -52,7 +52,7 @@ def _compile_job(job) -> tuple[str, dict]:
 
 def _record(variant: str) -> list[tuple]:
     """(kernel name, kernel, args, constexprs) of every launch the variant's launcher makes."""
-    from kernels import paged_attention
+    from kernels.attention import paged_attention
     from kernels.mla import triton_decode, triton_write
 
     modules = (triton_decode, triton_write, paged_attention)
@@ -67,7 +67,7 @@ def _launcher_call(variant: str):
     import torch
 
     import kvcore
-    from kernels.metadata import build_attention_metadata
+    from kernels.attention.metadata import build_attention_metadata
     from kernels.mla.triton_decode import mla_decode
     from kernels.mla.triton_write import write_latent
 
@@ -103,8 +103,8 @@ def _expanded_prefill_call(cache, block_size, num_heads, dtype, latent_size, rop
 
     import torch
 
-    from kernels.metadata import build_attention_metadata
-    from kernels.paged_attention import paged_attention
+    from kernels.attention.metadata import build_attention_metadata
+    from kernels.attention.paged_attention import paged_attention
     from workers.layers.mla_attention import MLAAttention
     from workers.mla_metadata import build_mla_metadata
     from workers.model_config import MLAConfig

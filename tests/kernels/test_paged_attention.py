@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import kvcore
-from kernels.paged_attention import paged_attention
-from kernels.params import AttentionParams
-from kernels.reference import dense_attention_float64, paged_attention_reference
+from kernels.attention.paged_attention import paged_attention
+from kernels.attention.params import AttentionParams
+from kernels.attention.reference import dense_attention_float64, paged_attention_reference
 from tests.kernels.cases import (
     BATCHES,
     DTYPES,

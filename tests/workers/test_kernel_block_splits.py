@@ -3,7 +3,7 @@ views and still matches transformers."""
 
 from __future__ import annotations
 
-from kernels.backends.torch_backend import TorchAttentionBackend
+from kernels.attention.torch_backend import TorchAttentionBackend
 from tests.workers.engine import KV_CACHE_MEMORY, run_requests
 from tests.workers.hf_models import PROMPTS, reference_generations, save_model
 from workers.worker import Worker, WorkerOptions

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.backends import get_attention_backend
+from kernels.attention import get_attention_backend
 from kvcore import RankReport, decode, encode, get_kv_cache_config
 from tests.workers.harness import StepDriver
 from workers.memory import InsufficientGpuMemoryError, MemorySnapshot, kv_cache_budget

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.params import AttentionParams
+from kernels.attention.params import AttentionParams
 from workers.forward_context import get_forward_context
 
 

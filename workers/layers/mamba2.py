@@ -14,11 +14,13 @@ kernels come from the step's Mamba backend (``kernels.mamba``) and run through t
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.mamba import MambaBackend
+from kernels.mamba import ConvWeights, MambaBackend, SSDParams
 from kvcore.views import TORCH_DTYPES
 from workers.forward_context import get_forward_context
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear, _param, divide
@@ -209,26 +211,15 @@ class MambaMixer2(nn.Module):
         return self.out_proj(y)
 
     def _conv(self, backend: MambaBackend, xbc, metadata: MambaMetadata) -> torch.Tensor:
-        weight, bias, state = self.conv1d.weight, self.conv1d.bias, self.conv_state
+        conv, state = ConvWeights(self.conv1d.weight, self.conv1d.bias), self.conv_state
         out = None
         if metadata.decode is not None:
             batch = metadata.decode
-            rows = backend.conv1d_decode(
-                _rows(xbc, batch), weight, bias, state, batch.state_indices
-            )
+            rows = backend.conv1d_decode(_rows(xbc, batch), conv, state, batch.state_indices)
             out = _put(out, xbc, batch, rows)
         if metadata.prefill is not None:
             batch = metadata.prefill
-            rows = backend.conv1d_prefill(
-                _rows(xbc, batch),
-                weight,
-                bias,
-                state,
-                batch.state_indices,
-                batch.has_initial_state,
-                batch.query_start_loc,
-                checkpoints=batch.checkpoints,
-            )
+            rows = backend.conv1d_prefill(_rows(xbc, batch), conv, state, batch)
             out = _put(out, xbc, batch, rows)
         return out
 
@@ -237,35 +228,21 @@ class MambaMixer2(nn.Module):
         if metadata.decode is not None:
             batch = metadata.decode
             rows = backend.ssd_decode(
-                _rows(x, batch),
-                _rows(dt, batch),
-                self.A,
-                _rows(B, batch),
-                _rows(C, batch),
-                self.D,
-                self.dt_bias,
+                *(_rows(t, batch) for t in (x, dt, B, C)),
+                SSDParams(self.A, self.D, self.dt_bias),
                 self.ssm_state,
                 batch.state_indices,
             )
             out = _put(out, x, batch, rows)
         for batch in metadata.prefill_ssd_passes:
+            if batch.chunks is None and batch.chunk_size is None:  # metadata built in tests
+                batch = dataclasses.replace(batch, chunk_size=self.mamba.chunk_size)
+            dt_min = self.mamba.dt_min if batch.is_prompt else 0.0
             rows = backend.ssd_prefill(
-                _rows(x, batch),
-                _rows(dt, batch),
-                self.A,
-                _rows(B, batch),
-                _rows(C, batch),
-                self.D,
-                self.dt_bias,
+                *(_rows(t, batch) for t in (x, dt, B, C)),
+                SSDParams(self.A, self.D, self.dt_bias, dt_min),
                 self.ssm_state,
-                batch.state_indices,
-                batch.has_initial_state,
-                batch.query_start_loc,
-                metadata.chunk_size or self.mamba.chunk_size,
-                dt_min=self.mamba.dt_min if batch.is_prompt else 0.0,
-                start_positions=batch.start_positions,
-                checkpoints=batch.checkpoints,
-                chunks=batch.chunks,
+                batch,
             )
             out = _put(out, x, batch, rows)
         return out

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.params import AttentionParams
+from kernels.attention.params import AttentionParams
 from workers.forward_context import get_forward_context
 from workers.mla_metadata import ExpandedPrefills, LatentQueries, MLAMetadata
 from workers.model_config import MLAConfig

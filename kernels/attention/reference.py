@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cache_view import check_kv_cache, check_query_heads
-from kernels.metadata import AttentionMetadata
-from kernels.params import AttentionParams
+from kernels.attention.cache_view import check_kv_cache, check_query_heads
+from kernels.attention.metadata import AttentionMetadata
+from kernels.attention.params import AttentionParams
 
 
 def write_kv_reference(

@@ -5,8 +5,8 @@ against a measured device-to-device copy bandwidth, for every layout x batch x c
 size. Prefill: TFLOP/s of one causal request against ``scaled_dot_product_attention`` on
 contiguous tensors of the same shape.
 
-    python -m kernels.bench_attention                      # on a GPU, the full sweep
-    python -m kernels.bench_attention --device cpu --small # CI-sized, Triton interpreter
+    python -m kernels.attention.bench                      # on a GPU, the full sweep
+    python -m kernels.attention.bench --device cpu --small # CI-sized, Triton interpreter
 
 Results are checked against the torch reference: all of them on the CPU, and on a GPU the
 shapes whose reference fits comfortably in memory.
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 import kvcore
-from kernels.metadata import AttentionMetadata, build_attention_metadata
-from kernels.params import AttentionParams
+from kernels.attention.metadata import AttentionMetadata, build_attention_metadata
+from kernels.attention.params import AttentionParams
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def make_step(sweep: Sweep, query_len: int, seq_len: int, batch: int, block_size
 
 
 def check_against_reference(query, view, metadata: AttentionMetadata, params, out) -> None:
-    from kernels.reference import paged_attention_reference
+    from kernels.attention.reference import paged_attention_reference
 
     expected = paged_attention_reference(query, view, metadata, params)
     error = float((out.double() - expected.double()).abs().max() / expected.abs().max())
@@ -106,7 +106,7 @@ def check_against_reference(query, view, metadata: AttentionMetadata, params, ou
 
 
 def bench_decode(sweep, layout, block_size, batch, context_len, device, num_reps, is_checked):
-    from kernels.paged_attention import paged_attention
+    from kernels.attention.paged_attention import paged_attention
 
     metadata, query, num_blocks = make_step(sweep, 1, context_len, batch, block_size, device)
     view = make_layer_cache(layout, sweep, block_size, num_blocks, device)
@@ -122,7 +122,7 @@ def bench_decode(sweep, layout, block_size, batch, context_len, device, num_reps
 
 
 def bench_prefill(sweep, layout, block_size, seq_len, device, num_reps, is_checked):
-    from kernels.paged_attention import paged_attention
+    from kernels.attention.paged_attention import paged_attention
 
     metadata, query, num_blocks = make_step(sweep, seq_len, seq_len, 1, block_size, device)
     view = make_layer_cache(layout, sweep, block_size, num_blocks, device)

@@ -1,10 +1,10 @@
 """The torch backend: the fast path on CPUs. No triton.
 
-Decode rows (one new token per request) go to the C kernel in ``kernels.cpu_attention``,
+Decode rows (one new token per request) go to the C kernel in ``kernels.attention.cpu_attention``,
 which reads the cache in place. Prefill chunks go, one request at a time, through a gather of
 the request's whole pages and ``scaled_dot_product_attention`` (its fused CPU kernel is made
 for long queries). Softcap and sinks, which SDPA lacks, and machines without a C compiler take
-the torch reference (``kernels.reference``), which also checks both paths in the tests.
+the torch reference (``kernels.attention.reference``), which also checks both paths in the tests.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from kernels.backends.base import AttentionBackend
-from kernels.cpu_attention import decode_kernel, paged_decode_attention
-from kernels.metadata import AttentionMetadata
-from kernels.params import AttentionParams
-from kernels.reference import attend_one_request, gather_request_kv, write_kv_reference
+from kernels.attention.base import AttentionBackend
+from kernels.attention.cpu_attention import decode_kernel, paged_decode_attention
+from kernels.attention.metadata import AttentionMetadata
+from kernels.attention.params import AttentionParams
+from kernels.attention.reference import attend_one_request, gather_request_kv, write_kv_reference
 
 
 class TorchAttentionBackend(AttentionBackend):

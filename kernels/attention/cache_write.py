@@ -5,7 +5,8 @@ split of one); the kernel addresses it only through ``stride_c*``, so every layo
 code. Token t goes to slot ``slot_mapping[t]`` = ``block_id * block_size + offset``, which is
 also ``kernel_block_id * N + offset`` of a split view, so N is the only geometry the kernel
 needs. Slots of -1 mark padding tokens and are skipped. K fills ``C[:HEAD_SIZE]`` and V the
-next ``HEAD_SIZE_V`` elements. The torch reference is ``kernels.reference.write_kv_reference``.
+next ``HEAD_SIZE_V`` elements. The torch reference is
+``kernels.attention.reference.write_kv_reference``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.cache_view import check_kv_cache
+from kernels.attention.cache_view import check_kv_cache
 
 
 @triton.jit

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backends.base import AttentionBackend
-from kernels.metadata import AttentionMetadata
-from kernels.params import AttentionParams
+from kernels.attention.base import AttentionBackend
+from kernels.attention.metadata import AttentionMetadata
+from kernels.attention.params import AttentionParams
 from kernels.registry import check_can_launch
 
 
@@ -27,7 +27,7 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
     ) -> None:
         check_can_launch(kv_cache.device, "attention")
-        from kernels.cache_write import write_kv
+        from kernels.attention.cache_write import write_kv
 
         write_kv(key, value, kv_cache, metadata.slot_mapping)
 
@@ -40,6 +40,6 @@ class TritonAttentionBackend(AttentionBackend):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         check_can_launch(kv_cache.device, "attention")
-        from kernels.paged_attention import paged_attention
+        from kernels.attention.paged_attention import paged_attention
 
         return paged_attention(query, kv_cache, metadata, params, out)

@@ -9,8 +9,8 @@ Position p of a request is found through its block table and then through the vi
 slot ``block_table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE``, kernel block
 ``slot // KERNEL_BLOCK_SIZE``, row ``slot % KERNEL_BLOCK_SIZE``. That is the whole of the
 layout handling: all six layouts and kernel-block split views take the same path. The torch
-reference is ``kernels.reference.paged_attention_reference``; the benchmark is
-``kernels/bench_attention.py``.
+reference is ``kernels.attention.reference.paged_attention_reference``; the benchmark is
+``kernels/attention/bench.py``.
 """
 
 from __future__ import annotations
@@ -18,14 +18,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
-from kernels.cache_view import check_kv_cache, check_query_heads
-from kernels.metadata import AttentionMetadata
-from kernels.params import AttentionParams
+from kernels.attention.cache_view import check_kv_cache, check_query_heads
+from kernels.attention.metadata import AttentionMetadata
+from kernels.attention.params import AttentionParams
+from kernels.triton_support import TL_DTYPES, is_interpreted
 
 LOG2E = tl.constexpr(1.4426950408889634)  # jitted code may only read constexpr globals
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # Rows per program: a small tile keeps decode-heavy batches from idling, a large one gives
 # prefill enough rows per K/V load. tl.dot needs at least 16 on GPUs.
 DECODE_BLOCK_M, PREFILL_BLOCK_M = 16, 64
@@ -187,7 +186,7 @@ def paged_attention(
     head_size_v = params.resolve_head_size_v(head_size)
     check_kv_cache(kv_cache, params.num_kv_heads, head_size, head_size_v)
     check_query_heads(num_q_heads, params.num_kv_heads)
-    if kv_cache.dtype not in _TL_DTYPES:
+    if kv_cache.dtype not in TL_DTYPES:
         raise ValueError(f"paged_attention reads fp32/bf16/fp16 caches, not {kv_cache.dtype}.")
     expected = (num_tokens, num_q_heads, head_size_v)
     if out is None:
@@ -223,7 +222,7 @@ def launch_constexprs(
     qpk_pad = triton.next_power_of_2(queries_per_kv)
     is_prefill_heavy = metadata.max_query_len >= PREFILL_BLOCK_M
     block_m = PREFILL_BLOCK_M if is_prefill_heavy else DECODE_BLOCK_M
-    compute_dtype = tl.float32 if is_interpreted() else _TL_DTYPES[kv_cache.dtype]
+    compute_dtype = tl.float32 if is_interpreted() else TL_DTYPES[kv_cache.dtype]
     return dict(
         QUERIES_PER_KV=queries_per_kv, QPK_PAD=qpk_pad, BLOCK_Q=max(1, block_m // qpk_pad),
         HEAD_SIZE=head_size, HEAD_SIZE_V=head_size_v,
@@ -241,8 +240,3 @@ def launch_constexprs(
 def _dot_size(size: int) -> int:
     # tl.dot needs every dimension to be a power of two and at least 16 on GPUs.
     return max(16, triton.next_power_of_2(size))
-
-
-def is_interpreted() -> bool:
-    """True when triton was imported with TRITON_INTERPRET=1 (kernels run on the CPU)."""
-    return isinstance(_paged_attention_kernel, InterpretedFunction)

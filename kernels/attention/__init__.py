@@ -3,7 +3,7 @@ choosing ``torch`` never imports triton."""
 
 from __future__ import annotations
 
-from kernels.backends.base import (
+from kernels.attention.base import (
     AttentionBackend,
     MultipleOf,
     UnknownAttentionBackendError,
@@ -14,8 +14,8 @@ from kernels.registry import BackendRegistry
 _REGISTRY = BackendRegistry(
     "attention",
     {
-        "torch": ("kernels.backends.torch_backend", "TorchAttentionBackend"),
-        "triton": ("kernels.backends.triton_backend", "TritonAttentionBackend"),
+        "torch": ("kernels.attention.torch_backend", "TorchAttentionBackend"),
+        "triton": ("kernels.attention.triton_backend", "TritonAttentionBackend"),
     },
     UnknownAttentionBackendError,
 )

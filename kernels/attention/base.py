@@ -13,8 +13,8 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from kernels.metadata import AttentionMetadata, build_attention_metadata
-from kernels.params import AttentionParams
+from kernels.attention.metadata import AttentionMetadata, build_attention_metadata
+from kernels.attention.params import AttentionParams
 from kvcore import AttentionSpec, KVCacheLayout, KVCacheLayoutError, KVCacheSpec
 
 
@@ -88,7 +88,7 @@ class AttentionBackend(ABC):
         device: torch.device | str = "cpu",
         num_tokens: int | None = None,
     ) -> AttentionMetadata:
-        """Once per step, shared by every layer; see ``kernels.metadata``."""
+        """Once per step, shared by every layer; see ``kernels.attention.metadata``."""
         return build_attention_metadata(
             query_lens, seq_lens, block_tables, block_size, device, num_tokens
         )

@@ -1,4 +1,4 @@
-"""Paged decode attention for CPUs: a small C kernel (``kernels/cpu/paged_decode.c``) that
+"""Paged decode attention for CPUs: a small C kernel (``kernels/attention/cpu/paged_decode.c``) that
 reads the cache in place, called through ctypes.
 
 Decode attention is memory-bound: each step reads every running request's K and V once. In
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.cache_view import check_kv_cache, check_query_heads
-from kernels.params import AttentionParams
+from kernels.attention.cache_view import check_kv_cache, check_query_heads
+from kernels.attention.params import AttentionParams
 
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "cpu" / "paged_decode.c"
