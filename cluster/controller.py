@@ -16,7 +16,8 @@ from cluster.placement import cpus_per_worker, reserve, start_worker_actors, wor
 from cluster.scheduler.scheduler import Scheduler
 from cluster.startup import plan_kv_cache
 from cluster.transport import RayActorTransport
-from kvcore import KVCacheConfig, RankReport, decode, encode
+from kvcore import KVCacheConfig, decode, encode
+from workers.bringup import ActorRank, bring_up
 from workers.model_source import model_config_for
 
 logger = logging.getLogger(__name__)
@@ -60,8 +61,14 @@ class Controller:
     async def _start_group(self) -> tuple[RayActorTransport, KVCacheConfig]:
         """Placement group, one worker actor per rank, handshake, allocated caches."""
         await self._reserve(self.use_gpu)
-        await self._start_workers(self.use_gpu)
-        return RayActorTransport(self.workers), await self._handshake()
+        self.workers = start_worker_actors(
+            self.config, self.pg, self.use_gpu, self.cpus_per_worker
+        )
+        kv_config = await bring_up(
+            [ActorRank(worker) for worker in self.workers],
+            lambda reports: plan_kv_cache(reports, self.model_config, self.config),
+        )
+        return RayActorTransport(self.workers), kv_config
 
     async def _rebuild(self) -> tuple[RayActorTransport, Scheduler]:
         """After a failure: a new worker group with a fresh cache, and its scheduler. Every
@@ -80,20 +87,6 @@ class Controller:
     async def _reserve(self, use_gpu: bool) -> None:
         self.cpus_per_worker = cpus_per_worker(self.config, use_gpu)
         self.pg = await reserve(self.config, worker_bundle(use_gpu, self.cpus_per_worker))
-
-    async def _start_workers(self, use_gpu: bool) -> None:
-        self.workers = start_worker_actors(self.config, self.pg, use_gpu, self.cpus_per_worker)
-        address = await self.workers[0].rendezvous_address.remote()
-        await asyncio.gather(*(w.init_tp_group.remote(address) for w in self.workers))
-        await asyncio.gather(*(w.load_model.remote() for w in self.workers))
-
-    async def _handshake(self):
-        replies = await asyncio.gather(*(w.report_specs.remote() for w in self.workers))
-        reports = [decode(reply, RankReport) for reply in replies]
-        kv_config = plan_kv_cache(reports, self.model_config, self.config)
-        payload = encode(kv_config)
-        await asyncio.gather(*(w.allocate_kv_cache.remote(payload) for w in self.workers))
-        return kv_config
 
     async def worker_handles(self) -> list:
         return list(self.workers)

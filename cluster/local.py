@@ -16,7 +16,8 @@ from cluster.config import EngineConfig
 from cluster.scheduler.scheduler import Scheduler
 from cluster.startup import plan_kv_cache
 from cluster.transport import InProcessTransport
-from kvcore import KVCacheConfig, RankReport, decode, encode
+from kvcore import KVCacheConfig
+from workers.bringup import bring_up_in_process
 from workers.worker import Worker
 
 
@@ -41,11 +42,9 @@ class LocalServer:
 
     def _start_worker(self) -> tuple[Worker, KVCacheConfig]:
         worker = Worker(0, self.config.worker_options())
-        worker.init_tp_group(None)
-        worker.load_model()
-        report = decode(worker.report_specs(), RankReport)
-        kv_config = plan_kv_cache([report], worker.model_config, self.config)
-        worker.allocate_kv_cache(encode(kv_config))
+        kv_config = bring_up_in_process(
+            worker, lambda reports: plan_kv_cache(reports, worker.model_config, self.config)
+        )
         return worker, kv_config
 
     async def _rebuild(self) -> tuple[InProcessTransport, Scheduler]:

@@ -1,8 +1,8 @@
 """What every cache-bound layer needs during one forward pass, set by the runner around it.
 
-The model's modules are plain math and never see the step plan; the attention and Mamba layers
-look up their group's metadata here (block table, slot mapping, sequence lengths; state slots)
-by layer name.
+The model's modules are plain math and never see the step plan; each cache layer looks up its
+KV-cache group's part of the step here by layer name: the metadata it reads (block table, slot
+mapping, sequence lengths; state slots...) and the kernels it calls.
 """
 
 from __future__ import annotations
@@ -10,15 +10,16 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+
+from workers.group_step import GroupStep
 
 
 @dataclass(frozen=True)
 class ForwardContext:
-    backend: Any  # the attention backend serving this forward
-    metadata_by_layer: Mapping[str, Any]  # layer name -> its KV-cache group's step metadata
-    mamba_backend: Any = None  # the Mamba kernels (kernels.mamba), for hybrid models
-    mla_backend: Any = None  # the latent-cache kernels (kernels.mla), for DeepSeek models
+    steps_by_layer: Mapping[str, GroupStep]  # layer name -> its KV-cache group's step
+
+    def step_for(self, layer_name: str) -> GroupStep:
+        return self.steps_by_layer[layer_name]
 
 
 _current: ForwardContext | None = None

@@ -1,5 +1,5 @@
 """A worker's KV cache: one raw byte buffer, one view per cache layer (attention K/V, or a
-Mamba layer's state page), bound to the layer.
+recurrent layer's state page), bound to the layer.
 
 The plan (``KVCacheConfig``) comes from the controller; this module only executes it. Where the
 attention backend needs blocks smaller than the scheduler's, each group's views are split into
@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from kernels.attention import AttentionBackend, MultipleOf
-from kvcore import KVCacheConfig, MambaSpec, create_kv_cache_views
+from kvcore import KVCacheConfig, create_kv_cache_views
 from kvcore._math import round_up
+from workers.kinds import kind_of_spec
 
 ALLOCATION_ALIGNMENT = 4096
 
@@ -52,9 +53,9 @@ def allocate_kv_cache(
     for tensor in config.kv_cache_tensors:
         group = config.kv_cache_groups[config.group_of(tensor.layers[0])]
         spec = group.layer_spec(tensor.layers[0])
-        # A recurrent state is one page per block, never split into kernel blocks.
-        is_state = isinstance(spec, MambaSpec)
-        kernel_block_size = None if is_state else select_kernel_block_size(spec.block_size, backend)
+        kernel_block_size = None  # a recurrent state is one page per block, never split
+        if kind_of_spec(spec).splits_into_kernel_blocks:
+            kernel_block_size = select_kernel_block_size(spec.block_size, backend)
         views = create_kv_cache_views(
             raw, spec, config.num_blocks, config.layout, tensor, kernel_block_size
         )

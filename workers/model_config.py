@@ -115,6 +115,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3 normalises each query and key head before RoPE
+    # The module holding a layer's attention in the checkpoint (NemotronH's is "mixer"), and
+    # so in its cache layer's name: model.layers.N.<module>.attn.
+    attention_module: str = "self_attn"
     # One entry per layer: "full_attention" or "sliding_attention"; hybrids also "mamba" and
     # "mlp" (a layer that is only an MLP block); DeepSeek "mla_attention".
     layer_types: tuple[str, ...] = ()

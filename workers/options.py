@@ -15,7 +15,7 @@ from typing import Annotated
 import msgspec
 
 from kvcore.dtypes import MODEL_DTYPES
-from workers.kv_specs import StateCaching
+from workers.kinds import StateCaching
 
 
 def setting(description: str, **cli) -> msgspec.Meta:

@@ -15,6 +15,7 @@ import torch
 from kernels.attention import AttentionBackend
 from kvcore import KVCacheSpec, get_kv_cache_config_from_groups, get_kv_cache_groups
 from kvcore._math import cdiv
+from workers.group_step import StepLimits
 from workers.kv_cache import allocate_kv_cache
 from workers.protocol import NewRequest, StepPlan
 from workers.runner import ModelRunner
@@ -41,8 +42,6 @@ def run_profile_step(
     backend: AttentionBackend,
     specs: Mapping[str, KVCacheSpec],
     *,
-    mamba_backend=None,
-    mla_backend=None,
     num_tokens: int,
     num_seqs: int,
     max_len: int,
@@ -69,17 +68,8 @@ def run_profile_step(
     layers = model.kv_cache_layers()
     scratch = allocate_kv_cache(config, layers, backend, device)
     try:
-        runner = ModelRunner(
-            model,
-            backend,
-            config,
-            device,
-            mamba_backend=mamba_backend,
-            mla_backend=mla_backend,
-            # The serving limits, so the largest expansion and latent call are measured.
-            mla_expand_budget=num_tokens,
-            mla_max_latent_rows=num_seqs,
-        )
+        # The serving limits, so every group's largest scratch is measured.
+        runner = ModelRunner(model, backend, config, device, StepLimits(num_tokens, num_seqs))
         runner.execute(StepPlan(new_requests=_profile_requests(lens, blocks_per_group)))
         return scratch.numel() * scratch.element_size()
     finally:

@@ -14,13 +14,12 @@ from pathlib import Path
 import torch
 
 from kernels.attention import get_attention_backend
-from kernels.mamba import get_mamba_backend
-from kernels.mla import get_mla_backend
 from kvcore import KVCacheConfig, RankReport, decode, encode
 from kvcore.views import TORCH_DTYPES
 from workers.default_model import load_default_weights
 from workers.device import distributed_backend, select_device
 from workers.gguf import load_gguf_weights
+from workers.group_step import StepLimits
 from workers.kv_cache import allocate_kv_cache
 from workers.kv_specs import rank_kv_cache_specs
 from workers.layers.cpu_matmul import pack_linear_weights
@@ -49,17 +48,9 @@ class Worker:
         # size is given.
         self.memory = CudaMemoryProbe(self.device) if self.device.type == "cuda" else None
         self._memory_before_load: MemorySnapshot | None = None
-        backend_name = options.backend_on(self.device.type == "cuda")
-        self.backend = get_attention_backend(backend_name)
+        # Each kind of cache layer takes its kernels of this backend's name (workers.kinds).
+        self.backend = get_attention_backend(options.backend_on(self.device.type == "cuda"))
         self.model_config: ModelConfig = model_config_for(options.model)
-        # A hybrid's Mamba kernels: the Mamba backend of the attention backend's name.
-        self.mamba_backend = None
-        if self.model_config.mamba is not None:
-            self.mamba_backend = get_mamba_backend(backend_name)
-        # A DeepSeek model's latent-cache kernels, likewise.
-        self.mla_backend = None
-        if self.model_config.mla is not None:
-            self.mla_backend = get_mla_backend(backend_name)
         self.model = None
         self.runner: ModelRunner | None = None
         self._raw_kv_cache: torch.Tensor | None = None
@@ -134,8 +125,6 @@ class Worker:
             self.model,
             self.backend,
             specs,
-            mamba_backend=self.mamba_backend,
-            mla_backend=self.mla_backend,
             num_tokens=self.options.max_num_batched_tokens,
             num_seqs=self.options.max_num_seqs,
             max_len=self.model_config.max_position_embeddings,
@@ -161,16 +150,8 @@ class Worker:
         self._raw_kv_cache = allocate_kv_cache(
             config, self.model.kv_cache_layers(), self.backend, self.device
         )
-        self.runner = ModelRunner(
-            self.model,
-            self.backend,
-            config,
-            self.device,
-            mamba_backend=self.mamba_backend,
-            mla_backend=self.mla_backend,
-            mla_expand_budget=self.options.max_num_batched_tokens,
-            mla_max_latent_rows=self.options.max_num_seqs,
-        )
+        limits = StepLimits(self.options.max_num_batched_tokens, self.options.max_num_seqs)
+        self.runner = ModelRunner(self.model, self.backend, config, self.device, limits)
         return self._raw_kv_cache.numel()
 
     # -- serving ---------------------------------------------------------------------------

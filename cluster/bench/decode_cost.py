@@ -31,7 +31,8 @@ from cluster.scheduler.request import EngineRequest
 from cluster.scheduler.scheduler import ScheduledStep, Scheduler
 from cluster.startup import plan_kv_cache
 from cluster.stats import percentile
-from kvcore import KVCacheConfig, RankReport, decode, encode
+from kvcore import KVCacheConfig, decode, encode
+from workers.bringup import bring_up_in_process
 from workers.model_config import ModelConfig
 from workers.model_source import load_tokenizer_for, model_display_name
 from workers.models.registry import model_class_for
@@ -105,12 +106,10 @@ def engine_parts(config: EngineConfig) -> Iterator[EngineParts]:
     """The pieces ``cluster.local.LocalServer`` starts, without its event loop and server."""
     config = config.for_workers_on(use_gpu=torch.cuda.is_available())
     worker = Worker(0, config.worker_options())
-    worker.init_tp_group(None)
     try:
-        worker.load_model()
-        report = decode(worker.report_specs(), RankReport)
-        kv_config = plan_kv_cache([report], worker.model_config, config)
-        worker.allocate_kv_cache(encode(kv_config))
+        kv_config = bring_up_in_process(
+            worker, lambda reports: plan_kv_cache(reports, worker.model_config, config)
+        )
         model_config = worker.model_config
         tokenizer = load_tokenizer_for(config.model, model_config.eos_token_ids)
         admission = Admission(

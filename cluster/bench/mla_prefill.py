@@ -42,9 +42,10 @@ from kernels.mla import MLABackend, get_mla_backend
 from kvcore.dtypes import MODEL_DTYPES
 from kvcore.views import TORCH_DTYPES
 from workers.forward_context import ForwardContext, set_forward_context
+from workers.group_step import GroupStep
+from workers.kinds.mla_metadata import MLAKernels, build_mla_metadata
 from workers.kv_cache import select_kernel_block_size
 from workers.layers.mla_attention import MLAAttention
-from workers.mla_metadata import build_mla_metadata
 from workers.model_config import MLAConfig
 from workers.options import RankSettings
 
@@ -147,11 +148,8 @@ def time_forwards(setup: Setup, metadatas: list, inputs, args) -> list[tuple[flo
 
 
 def timed_forward(setup: Setup, metadata, inputs) -> tuple[float, torch.Tensor]:
-    context = ForwardContext(
-        backend=setup.backend,
-        metadata_by_layer={LAYER_NAME: metadata},
-        mla_backend=setup.mla_backend,
-    )
+    kernels = MLAKernels(setup.mla_backend, setup.backend)
+    context = ForwardContext({LAYER_NAME: GroupStep(metadata, kernels)})
     is_cuda = setup.device.type == "cuda"
     with set_forward_context(context), torch.inference_mode():
         if is_cuda:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-HOST = torch.device("cpu")  # where the per-step lists are turned into tensors
+from kernels.host import HOST
 
 
 @dataclass(frozen=True)

@@ -105,8 +105,8 @@ def _expanded_prefill_call(cache, block_size, num_heads, dtype, latent_size, rop
 
     from kernels.attention.metadata import build_attention_metadata
     from kernels.attention.paged_attention import paged_attention
+    from workers.kinds.mla_metadata import build_mla_metadata
     from workers.layers.mla_attention import MLAAttention
-    from workers.mla_metadata import build_mla_metadata
     from workers.model_config import MLAConfig
 
     mla = MLAConfig(
@@ -118,10 +118,10 @@ def _expanded_prefill_call(cache, block_size, num_heads, dtype, latent_size, rop
     rows = torch.tensor([[2, 3, 4, 5, 6]], dtype=torch.int32)
     attention = build_attention_metadata([128], [300], rows, block_size)
     metadata = build_mla_metadata(attention, [128], [300], rows, "cpu", expand_budget=2048)
-    context = SimpleNamespace(backend=SimpleNamespace(attend=paged_attention))
+    kernels = SimpleNamespace(attention=SimpleNamespace(attend=paged_attention))
     q_nope = torch.zeros(128, num_heads, mla.qk_nope_head_dim, dtype=dtype)
     q_pe = torch.zeros(128, num_heads, rope_size, dtype=dtype)
     kv_b = torch.zeros(
         num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), latent_size, dtype=dtype
     )
-    return functools.partial(layer._attend_expanded, context, metadata.expanded, q_nope, q_pe, kv_b)
+    return functools.partial(layer._attend_expanded, kernels, metadata.expanded, q_nope, q_pe, kv_b)

@@ -8,6 +8,7 @@ import traceback
 import torch.multiprocessing as mp
 
 from kvcore import KVCacheConfig, RankReport, decode, encode, get_kv_cache_config
+from workers.bringup import bring_up_in_process
 from workers.parallel import pick_rendezvous
 from workers.protocol import StepResult
 from workers.worker import Worker, WorkerOptions
@@ -33,8 +34,8 @@ def prompt_batches(prompts, num_tokens: int):
     return [[(f"r{i}", p, num_tokens, None) for i, p in enumerate(prompts)]]
 
 
-def plan_for(worker: Worker, layout: str, max_model_len: int = 256) -> KVCacheConfig:
-    report = decode(worker.report_specs(), RankReport)
+def plan_of(report: RankReport, layout: str, max_model_len: int = 256) -> KVCacheConfig:
+    """A rank's cache plan from its own report, in ``layout``."""
     return get_kv_cache_config(
         report.specs,
         report.free_memory_bytes,
@@ -44,13 +45,26 @@ def plan_for(worker: Worker, layout: str, max_model_len: int = 256) -> KVCacheCo
     )
 
 
-def run_requests(worker: Worker, layout: str, batches, *, chunk: int):
+def plan_for(worker: Worker, layout: str, max_model_len: int = 256) -> KVCacheConfig:
+    return plan_of(decode(worker.report_specs(), RankReport), layout, max_model_len)
+
+
+def start_worker(
+    options: WorkerOptions, layout: str, *, rank: int = 0, init_method: str | None = None
+) -> Worker:
+    """A worker brought up as every engine brings its ranks up, planned from its own report."""
+    worker = Worker(rank, options)
+    bring_up_in_process(worker, lambda reports: plan_of(reports[0], layout), init_method)
+    return worker
+
+
+def run_requests(worker: Worker, batches, *, chunk: int):
     """``batches``: lists of (request id, prompt, max tokens, prefix_of), run one after the
-    other. ``prefix_of`` names an earlier request whose first blocks this one reuses."""
+    other on a started worker. ``prefix_of`` names an earlier request whose first blocks this
+    one reuses."""
     from tests.workers.harness import StepDriver
 
-    config = plan_for(worker, layout)
-    worker.allocate_kv_cache(encode(config))
+    config = worker.runner.config
     driver = StepDriver(config, lambda plan: decode(worker.execute(encode(plan)), StepResult))
     outputs = {}
     for batch in batches:
@@ -64,19 +78,14 @@ def run_requests(worker: Worker, layout: str, batches, *, chunk: int):
 
 
 def run_in_process(options: WorkerOptions, layout: str, batches, *, chunk: int):
-    worker = Worker(0, options)
-    worker.init_tp_group(None)
-    worker.load_model()
-    return run_requests(worker, layout, batches, chunk=chunk)
+    return run_requests(start_worker(options, layout), batches, chunk=chunk)
 
 
 def _rank_main(rank, options, layout, batches, chunk, address, queue):
     try:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        worker = Worker(rank, options)
-        worker.init_tp_group(address)
-        worker.load_model()
-        outputs = run_requests(worker, layout, batches, chunk=chunk)
+        worker = start_worker(options, layout, rank=rank, init_method=address)
+        outputs = run_requests(worker, batches, chunk=chunk)
         worker.shutdown()
         queue.put((rank, outputs, None))
     except BaseException:  # report it to the parent instead of hanging it

@@ -18,17 +18,16 @@ import pytest
 from kernels.mla.torch_backend import TorchMLABackend
 from kvcore import KVCacheLayout, decode, encode
 from tests.workers.engine import (
-    plan_for,
     prompt_batches,
     run_in_process,
     run_tensor_parallel,
+    start_worker,
     tiny_model_options,
 )
 from tests.workers.harness import StepDriver
 from tests.workers.hf_models import NUM_OUTPUT_TOKENS, PROMPTS, reference_generations, save_deepseek
 from workers.layers.mla_attention import MLAAttention
 from workers.protocol import StepResult
-from workers.worker import Worker
 
 YARN = {
     "rope_type": "yarn",
@@ -132,11 +131,8 @@ def test_prefills_past_the_expansion_budget_attend_in_latent_space(models, monke
 
 def test_preempted_requests_recompute_their_latents(models):
     model_dir, expected = models("v3/q24")
-    worker = Worker(0, options(model_dir))
-    worker.init_tp_group(None)
-    worker.load_model()
-    config = plan_for(worker, "BLNHC")
-    worker.allocate_kv_cache(encode(config))
+    worker = start_worker(options(model_dir), "BLNHC")
+    config = worker.runner.config
     driver = StepDriver(config, lambda p: decode(worker.execute(encode(p)), StepResult))
     requests = [(f"r{i}", p, NUM_OUTPUT_TOKENS) for i, p in enumerate(PROMPTS)]
     outputs = driver.generate(requests, chunk=7, preempt_after={"r0": 20, "r1": 12, "r2": 25})

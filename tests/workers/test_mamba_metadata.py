@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.mamba_metadata import build_mamba_metadata, state_slots
+from workers.kinds.mamba_metadata import build_mamba_metadata, state_slots
 
 
 def ints(tensor):

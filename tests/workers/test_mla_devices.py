@@ -54,7 +54,7 @@ def test_the_profile_step_expands_the_whole_token_budget(model_dir):
     worker.memory = ScriptedProbe(BEFORE, AFTER)
     worker.init_tp_group(None)
     worker.load_model()
-    assert worker.mla_backend.name == get_mla_backend("torch").name
+    assert get_mla_backend(worker.backend.name).name == get_mla_backend("torch").name
 
     report = decode(worker.report_specs(), RankReport)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kernels.attention.metadata import build_attention_metadata
-from workers.mla_metadata import (
+from workers.kinds.mla_metadata import (
     LATENT_COST_RATIO,
     build_mla_metadata,
     expansion_threshold,

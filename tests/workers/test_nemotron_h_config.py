@@ -7,7 +7,8 @@ import pytest
 
 from cluster.config import EngineConfig
 from kvcore import FullAttentionSpec, MambaSpec
-from workers.kv_specs import StateCaching, global_kv_cache_specs, rank_kv_cache_specs
+from workers.kinds import StateCaching
+from workers.kv_specs import global_kv_cache_specs, rank_kv_cache_specs
 from workers.model_config import UnsupportedModelError
 from workers.models.registry import parse_hf_config
 

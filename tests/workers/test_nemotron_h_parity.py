@@ -19,6 +19,7 @@ from tests.workers.engine import (
     prompt_batches,
     run_in_process,
     run_tensor_parallel,
+    start_worker,
     tiny_model_options,
 )
 from tests.workers.harness import StepDriver
@@ -108,11 +109,8 @@ def test_preempted_requests_recompute_their_state(models):
     recomputes prompt and outputs; chunks that straddle the prompt's end take the prompt's dt
     floor for prompt tokens only."""
     model_dir, expected = models("MM*-/g1")
-    worker = Worker(0, options(model_dir))
-    worker.init_tp_group(None)
-    worker.load_model()
-    config = plan_for(worker, "LBNHC")
-    worker.allocate_kv_cache(encode(config))
+    worker = start_worker(options(model_dir), "LBNHC")
+    config = worker.runner.config
     driver = StepDriver(config, lambda p: decode(worker.execute(encode(p)), StepResult))
     requests = [(f"r{i}", p, NUM_OUTPUT_TOKENS) for i, p in enumerate(PROMPTS)]
     outputs = driver.generate(requests, chunk=7, preempt_after={"r0": 20, "r1": 12, "r2": 25})

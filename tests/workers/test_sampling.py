@@ -6,22 +6,18 @@ import pytest
 import torch
 
 from kvcore import decode, encode
-from tests.workers.engine import plan_for
+from tests.workers.engine import start_worker
 from tests.workers.harness import StepDriver
 from workers.model_source import DEFAULT_CONFIG
 from workers.protocol import StepResult
 from workers.sampler import Sampler
 from workers.sampling import SamplingParams
-from workers.worker import Worker, WorkerOptions
+from workers.worker import WorkerOptions
 
 
 @pytest.fixture(scope="module")
 def default_worker():
-    worker = Worker(0, WorkerOptions(kv_cache_memory_bytes=16 << 20, block_size=16))
-    worker.init_tp_group(None)
-    worker.load_model()
-    worker.allocate_kv_cache(encode(plan_for(worker, "LBNHC")))
-    return worker
+    return start_worker(WorkerOptions(kv_cache_memory_bytes=16 << 20, block_size=16), "LBNHC")
 
 
 def generate(worker, prompt, sampling, request_id="r"):

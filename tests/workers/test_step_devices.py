@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from kvcore import decode, encode
-from tests.workers.engine import plan_for
+from tests.workers.engine import start_worker
 from tests.workers.harness import StepDriver
 from workers.protocol import StepResult
 from workers.sampler import Sampler
 from workers.sampling import SamplingParams
-from workers.worker import Worker, WorkerOptions
+from workers.worker import WorkerOptions
 
 PROMPTS = [list(b"The quick brown fox"), list(b"jumps over")]
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=11, max_tokens=4)
@@ -45,10 +45,7 @@ def run_steps(
     options = WorkerOptions(
         model=model, kv_cache_memory_bytes=8 << 20, attention_backend=backend_name
     )
-    worker = Worker(0, options)
-    worker.init_tp_group(None)
-    worker.load_model()
-    worker.allocate_kv_cache(encode(plan_for(worker, "BLHNC")))
+    worker = start_worker(options, "BLHNC")
 
     def execute(plan):
         if implicit_device is None:

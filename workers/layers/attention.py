@@ -1,5 +1,6 @@
 """The attention layer: rank-local heads, the layer's KV-cache view, and a call into the step's
-attention backend, which writes the new K/V into the cache and attends through block tables."""
+attention backend (its group's kernels, ``workers.kinds.attention``), which writes the new K/V
+into the cache and attends through block tables."""
 
 from __future__ import annotations
 
@@ -34,9 +35,8 @@ class Attention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """``query`` ``[T, Hq, D]``, ``key``/``value`` ``[T, Hk, D]`` -> ``[T, Hq * D]``."""
-        context = get_forward_context()
-        metadata = context.metadata_by_layer[self.layer_name]
+        step = get_forward_context().step_for(self.layer_name)
         if self.kv_cache is None:
             raise RuntimeError(f"{self.layer_name}: no KV cache bound (allocate it first)")
-        output = context.backend.forward(query, key, value, self.kv_cache, metadata, self.params)
+        output = step.kernels.forward(query, key, value, self.kv_cache, step.metadata, self.params)
         return output.reshape(query.shape[0], self.num_heads * self.head_size)

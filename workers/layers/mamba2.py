@@ -23,8 +23,8 @@ from torch import nn
 from kernels.mamba import ConvWeights, MambaBackend, SSDParams
 from kvcore.views import TORCH_DTYPES
 from workers.forward_context import get_forward_context
+from workers.kinds.mamba_metadata import MambaBatch, MambaMetadata
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear, _param, divide
-from workers.mamba_metadata import MambaBatch, MambaMetadata
 from workers.model_config import MambaConfig
 from workers.parallel import all_reduce, get_tp_group
 
@@ -192,9 +192,9 @@ class MambaMixer2(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` -> ``[T, hidden]``; reads and writes this layer's states."""
-        context = get_forward_context()
-        metadata: MambaMetadata = context.metadata_by_layer[self.layer_name]
-        backend: MambaBackend = context.mamba_backend
+        step = get_forward_context().step_for(self.layer_name)
+        metadata: MambaMetadata = step.metadata
+        backend: MambaBackend = step.kernels
         if self.conv_state is None:
             raise RuntimeError(f"{self.layer_name}: no KV cache bound (allocate it first)")
         shards, num_tokens = self.shards, hidden.shape[0]

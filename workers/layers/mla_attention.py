@@ -1,5 +1,5 @@
 """Multi-head latent attention over the paged latent cache: the layer writes each new token's
-``[kv_c | k_pe]`` and attends every query one of two ways (``workers.mla_metadata``): decode
+``[kv_c | k_pe]`` and attends every query one of two ways (``workers.kinds.mla_metadata``): decode
 tokens in latent space with absorbed weights (the step's MLA backend, ``kernels.mla``), and
 prefills by expanding their context to per-head K/V for the attention backend's paged prefill.
 
@@ -17,7 +17,7 @@ from torch import nn
 
 from kernels.attention.params import AttentionParams
 from workers.forward_context import get_forward_context
-from workers.mla_metadata import ExpandedPrefills, LatentQueries, MLAMetadata
+from workers.kinds.mla_metadata import ExpandedPrefills, LatentQueries, MLAKernels, MLAMetadata
 from workers.model_config import MLAConfig
 
 
@@ -45,26 +45,27 @@ class MLAAttention(nn.Module):
     ) -> torch.Tensor:
         """``q_nope`` ``[T, H, P]`` and rotated ``q_pe`` ``[T, H, R]``; the normalised latent
         ``kv_c`` ``[T, L]`` and rotated ``k_pe`` ``[T, R]`` of the same tokens -> ``[T, H * V]``."""
-        context = get_forward_context()
-        metadata: MLAMetadata = context.metadata_by_layer[self.layer_name]
+        step = get_forward_context().step_for(self.layer_name)
+        metadata: MLAMetadata = step.metadata
+        kernels: MLAKernels = step.kernels
         if self.kv_cache is None:
             raise RuntimeError(f"{self.layer_name}: no KV cache bound (allocate it first)")
-        context.mla_backend.write_latent(kv_c, k_pe, self.kv_cache, metadata.attention.slot_mapping)
+        kernels.latent.write_latent(kv_c, k_pe, self.kv_cache, metadata.attention.slot_mapping)
         mla = self.mla
         weights = kv_b_weight.view(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, -1)
         out = q_nope.new_empty((q_nope.shape[0], self.num_heads, mla.v_head_dim))
         if metadata.latent is not None:
             rows = metadata.latent
-            latent = self._attend_latent(context, metadata, rows, q_nope, q_pe, weights)
+            latent = self._attend_latent(kernels, metadata, rows, q_nope, q_pe, weights)
             _put(out, rows.token_index, latent)
         if metadata.expanded is not None:
             prefills = metadata.expanded
-            expanded = self._attend_expanded(context, prefills, q_nope, q_pe, kv_b_weight)
+            expanded = self._attend_expanded(kernels, prefills, q_nope, q_pe, kv_b_weight)
             _put(out, prefills.token_index, expanded)
         return out.flatten(1)
 
     def _attend_latent(
-        self, context, metadata: MLAMetadata, rows: LatentQueries, q_nope, q_pe, weights
+        self, kernels: MLAKernels, metadata: MLAMetadata, rows: LatentQueries, q_nope, q_pe, weights
     ) -> torch.Tensor:
         nope_size = self.mla.qk_nope_head_dim
         w_uk, w_uv = weights[:, :nope_size], weights[:, nope_size:]  # [H, P, L], [H, V, L]
@@ -73,7 +74,7 @@ class MLAAttention(nn.Module):
         out_latent = torch.empty_like(q_latent)
         for start in range(0, q_latent.shape[0], rows.max_rows_per_call):
             part = slice(start, start + rows.max_rows_per_call)
-            context.mla_backend.decode(
+            kernels.latent.decode(
                 q_latent[part],
                 q_pe[part],
                 self.kv_cache,
@@ -86,7 +87,7 @@ class MLAAttention(nn.Module):
         return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def _attend_expanded(
-        self, context, prefills: ExpandedPrefills, q_nope, q_pe, kv_b_weight
+        self, kernels: MLAKernels, prefills: ExpandedPrefills, q_nope, q_pe, kv_b_weight
     ) -> torch.Tensor:
         mla = self.mla
         latent_size, rope_size = mla.kv_lora_rank, mla.qk_rope_head_dim
@@ -108,7 +109,7 @@ class MLAAttention(nn.Module):
         query = torch.cat(
             (_take(q_nope, prefills.token_index), _take(q_pe, prefills.token_index)), dim=-1
         )
-        return context.backend.attend(query, cells, prefills.metadata, self.expanded_params)
+        return kernels.attention.attend(query, cells, prefills.metadata, self.expanded_params)
 
 
 def _take(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:

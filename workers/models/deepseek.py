@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from workers.kv_specs import attention_layer_name
+from workers.kinds.attention import attention_layer_name
 from workers.layers.linear import (
     ColumnParallelLinear,
     ReplicatedLinear,

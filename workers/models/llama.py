@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.kv_specs import attention_layer_name
+from workers.kinds.attention import attention_layer_name
 from workers.layers.attention import Attention
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.linear import (

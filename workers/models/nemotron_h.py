@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.kv_specs import attention_layer_name, mamba_layer_name
+from workers.kinds.attention import attention_layer_name
+from workers.kinds.mamba import mamba_layer_name
 from workers.layers.attention import Attention
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -50,7 +51,7 @@ class NemotronHAttention(nn.Module):
             config.num_attention_heads * head_dim, config.hidden_size, bias=False, dtype=dtype
         )
         self.attn = Attention(
-            attention_layer_name(layer_index, "mixer"),
+            attention_layer_name(layer_index, config.attention_module),
             self.qkv_proj.num_heads,
             self.qkv_proj.num_kv_heads,
             head_dim,

@@ -68,6 +68,7 @@ def parse_nemotron_h(raw: dict[str, Any], generation: dict[str, Any]) -> ModelCo
         # transformers' NemotronH attention has no biases, whatever attention_bias says.
         mlp_bias=bool(raw.get("mlp_bias", False)),
         layer_types=layer_types,
+        attention_module="mixer",
         mamba=mamba,
     )
 

@@ -35,7 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention.metadata import HOST, AttentionMetadata, build_attention_metadata
+from kernels.attention import AttentionBackend
+from kernels.attention.metadata import AttentionMetadata, build_attention_metadata
+from kernels.host import HOST
+from kernels.mla import MLABackend, get_mla_backend
+from workers.group_step import GroupContext, GroupStep, GroupStepBuilder, StepBatch
 from workers.model_config import MLAConfig
 
 
@@ -196,3 +200,39 @@ def _expanded_prefills(
         context_slots=slots.to(device),
         metadata=metadata,
     )
+
+
+@dataclass(frozen=True)
+class MLAKernels:
+    """An MLA layer's kernels: the latent cache's (write, absorbed decode) and the attention
+    backend's paged prefill, which the expanded prefills run."""
+
+    latent: MLABackend
+    attention: AttentionBackend
+
+
+class MLAStep(GroupStepBuilder):
+    """An MLA group's step: its requests split between the latent and expanded paths within
+    the largest step's limits (what the memory profile ran)."""
+
+    def __init__(self, group: GroupContext):
+        super().__init__(group)
+        self.kernels = MLAKernels(get_mla_backend(group.backend.name), group.backend)
+        self.min_expanded_query_len = expansion_threshold(group.model_config.mla)
+
+    def build(self, batch: StepBatch, block_rows: torch.Tensor) -> GroupStep:
+        group = self.group
+        lens = (batch.query_lens, batch.seq_lens)
+        attention = group.backend.build_metadata(
+            *lens, block_rows, group.spec.block_size, group.device
+        )
+        metadata = build_mla_metadata(
+            attention,
+            *lens,
+            block_rows,
+            group.device,
+            group.limits.max_num_batched_tokens,
+            self.min_expanded_query_len,
+            group.limits.max_num_seqs,
+        )
+        return GroupStep(metadata, self.kernels)

@@ -19,15 +19,16 @@ into that position's block, so each becomes a prefix-cache entry (``kvcore.manag
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kernels.mamba import VarlenBatch
+from kernels.host import HOST
+from kernels.mamba import VarlenBatch, get_mamba_backend
 from kernels.mamba.chunks import build_ssd_chunks
-
-HOST = torch.device("cpu")
+from workers.group_step import GroupContext, GroupStep, GroupStepBuilder, StepBatch
 
 
 @dataclass(frozen=True)
@@ -180,3 +181,47 @@ def _cumsum(values: Sequence[int]) -> list[int]:
 
 def _tensor(values, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=HOST).to(device, non_blocking=True)
+
+
+class MambaStep(GroupStepBuilder):
+    """A Mamba group's step: its metadata, with the states of "align" mode (prefix caching)
+    planned and their copies run before the forward; the Mamba kernels of the serving
+    backend's name."""
+
+    def __init__(self, group: GroupContext):
+        super().__init__(group)
+        self.kernels = get_mamba_backend(group.backend.name)
+        self.chunk_size = group.model_config.mamba.chunk_size
+        # Tokens between kept states in "align" mode; None: one state per request.
+        self.interval = group.spec.block_size if group.spec.mamba_cache_mode == "align" else None
+        self._copies: tuple[list[int], list[int]] | None = None
+
+    def build(self, batch: StepBatch, block_rows: torch.Tensor) -> GroupStep:
+        device, num_computed = self.group.device, batch.num_computed
+        lens = (batch.query_lens, num_computed, batch.num_prompt_tokens)
+        if self.interval is None:
+            slots = state_slots(block_rows)
+            metadata = build_mamba_metadata(*lens, slots, device, chunk_size=self.chunk_size)
+            return GroupStep(metadata, self.kernels)
+        plan = plan_align_states(block_rows.tolist(), num_computed, batch.query_lens, self.interval)
+        self._copies = plan.copies if plan.copies[0] else None
+        metadata = build_mamba_metadata(
+            *lens,
+            plan.slots,
+            device,
+            checkpoints=plan.checkpoints,
+            # Checkpoints must fall on chunk ends of the scan.
+            chunk_size=math.gcd(self.chunk_size, self.interval),
+        )
+        return GroupStep(metadata, self.kernels)
+
+    def before_forward(self) -> None:
+        """Carry each "align" request's state into the block its step writes."""
+        if self._copies is None:
+            return
+        sources, targets = self._copies
+        source_ids = torch.tensor(sources, dtype=torch.int64, device=self.group.device)
+        target_ids = torch.tensor(targets, dtype=torch.int64, device=self.group.device)
+        for layer in self.group.layers:
+            layer.copy_states(source_ids, target_ids)
+        self._copies = None

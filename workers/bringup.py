@@ -1,0 +1,65 @@
+"""Bringing a worker group up, the one way every caller does it (the controller's actors, the
+in-process engine, the benchmarks and the tests): join the TP group, load the weights, report
+each rank's KV specs, plan the cache from every report, allocate it on every rank.
+
+A rank is anything with the worker's methods behind ``call``: a ``Worker`` in this process
+(``LocalRank``) or a Ray actor hosting one (``ActorRank``), so the sequence is written once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from kvcore import KVCacheConfig, RankReport, decode, encode
+
+Plan = Callable[[list[RankReport]], KVCacheConfig]
+
+
+class Rank(Protocol):
+    async def call(self, method: str, *args): ...
+
+
+class LocalRank:
+    """A ``workers.worker.Worker`` in this process, called directly."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    async def call(self, method: str, *args):
+        return getattr(self.worker, method)(*args)
+
+
+class ActorRank:
+    """A Ray actor hosting a worker (``workers.actor``): each call is a remote one."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    async def call(self, method: str, *args):
+        return await getattr(self.actor, method).remote(*args)
+
+
+async def bring_up(
+    ranks: Sequence[Rank], plan: Plan, init_method: str | None = None
+) -> KVCacheConfig:
+    """Every rank started and holding the cache ``plan`` makes of their reports. The TP
+    group meets at ``init_method`` (None: rank 0 picks an address, when there are several)."""
+    if init_method is None and len(ranks) > 1:
+        init_method = await ranks[0].call("rendezvous_address")
+    await _on_all(ranks, "init_tp_group", init_method)
+    await _on_all(ranks, "load_model")
+    reports = [decode(reply, RankReport) for reply in await _on_all(ranks, "report_specs")]
+    kv_config = plan(reports)
+    await _on_all(ranks, "allocate_kv_cache", encode(kv_config))
+    return kv_config
+
+
+def bring_up_in_process(worker, plan: Plan, init_method: str | None = None) -> KVCacheConfig:
+    """``bring_up`` of one worker in this process, from code that runs no event loop."""
+    return asyncio.run(bring_up([LocalRank(worker)], plan, init_method))
+
+
+async def _on_all(ranks: Sequence[Rank], method: str, *args) -> list:
+    return list(await asyncio.gather(*(rank.call(method, *args) for rank in ranks)))

@@ -1,0 +1,79 @@
+"""What a KV-cache group's step builder is given and gives back, for every kind of cache layer
+(``workers.kinds``): the runner builds one per group, asks it for the group's metadata and
+kernels each step, and hands them to the group's layers through the forward context. The
+runner, the forward context and the profile know only these types, never a kind.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from kernels.attention import AttentionBackend
+from kvcore import KVCacheSpec
+from workers.model_config import ModelConfig
+from workers.options import RankSettings
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    """The largest step the engine runs: what the memory profile measures, and so the most
+    scratch a step's metadata may ask of its kernels."""
+
+    max_num_batched_tokens: int = RankSettings.default("max_num_batched_tokens")
+    max_num_seqs: int = RankSettings.default("max_num_seqs")
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One step's requests, in batch order: their new tokens, flattened."""
+
+    request_ids: list[str]
+    query_lens: list[int]  # tokens computed for each in this step
+    seq_lens: list[int]  # tokens each holds once they are
+    num_prompt_tokens: list[int]  # each one's prompt length
+    token_ids: list[int]
+    positions: list[int]
+
+    @property
+    def num_computed(self) -> list[int]:
+        """Tokens each request had computed before this step."""
+        return [s - q for s, q in zip(self.seq_lens, self.query_lens, strict=True)]
+
+
+@dataclass(frozen=True)
+class GroupContext:
+    """What a group's builder may read, once, when the runner starts."""
+
+    index: int  # the group's place in the plan
+    spec: KVCacheSpec  # its layers' spec (every layer of a group is of one kind)
+    layers: list[nn.Module]  # its cache layers
+    model_config: ModelConfig
+    backend: AttentionBackend  # the serving attention backend; its name picks a kind's kernels
+    device: torch.device
+    limits: StepLimits
+
+
+@dataclass(frozen=True)
+class GroupStep:
+    """A group's part of one step: the metadata its layers read and the kernels they call."""
+
+    metadata: Any
+    kernels: Any
+
+
+class GroupStepBuilder(ABC):
+    def __init__(self, group: GroupContext):
+        self.group = group
+
+    @abstractmethod
+    def build(self, batch: StepBatch, block_rows: torch.Tensor) -> GroupStep:
+        """The group's step: ``block_rows`` is its ``[R, W]`` int32 host table of manager
+        block ids, one row per request of ``batch``."""
+
+    def before_forward(self) -> None:  # noqa: B027 (most kinds have nothing to do)
+        """Work the step needs done before the model runs (in its forward context)."""
