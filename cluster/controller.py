@@ -61,9 +61,7 @@ class Controller:
     async def _start_group(self) -> tuple[RayActorTransport, KVCacheConfig]:
         """Placement group, one worker actor per rank, handshake, allocated caches."""
         await self._reserve(self.use_gpu)
-        self.workers = start_worker_actors(
-            self.config, self.pg, self.use_gpu, self.cpus_per_worker
-        )
+        self.workers = start_worker_actors(self.config, self.pg, self.use_gpu, self.cpus_per_worker)
         kv_config = await bring_up(
             [ActorRank(worker) for worker in self.workers],
             lambda reports: plan_kv_cache(reports, self.model_config, self.config),

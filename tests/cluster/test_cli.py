@@ -165,67 +165,64 @@ def serve_twice(model_dir, prompt: list[int], max_tokens: int, *flags: str) -> l
         assert server.wait(timeout=120) == 0, "".join(seen)
 
 
+def check_openai_api_and_metrics(base_url: str) -> None:
+    """The OpenAI API of the same server, through the official client; /metrics counts it."""
+    api = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    completion = api.completions.create(
+        model=api.models.list().data[0].id, prompt="Hello", max_tokens=4, temperature=0
+    )
+    assert completion.usage.completion_tokens == 4
+    assert completion.choices[0].finish_reason == "length"
+    metrics = httpx.get(base_url.removesuffix("/v1") + "/metrics").text
+    (success,) = [
+        sample
+        for family in text_string_to_metric_families(metrics)
+        for sample in family.samples
+        if sample.name == "kvray:request_success_total"
+    ]
+    assert success.labels["finished_reason"] == "length" and success.value == 1
+
+
+def check_drain_finishes_streams_and_refuses_new_ones(server, address: str) -> None:
+    """SIGTERM with streams in flight: they finish; new requests are refused meanwhile."""
+    finished, started = [], threading.Barrier(4)
+
+    def stream(index: int) -> None:
+        with Client(address, timeout=120) as client:
+            deltas = client.stream(f"stream {index}", max_tokens=150, ignore_eos=True)
+            first = next(deltas)
+            started.wait()
+            rest = list(deltas)
+            finished.append((sum(len(d.token_ids) for d in [first, *rest]), rest[-1]))
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    started.wait(timeout=60)
+    server.send_signal(signal.SIGTERM)
+    with Client(address, timeout=30) as client:
+        deadline = time.monotonic() + 20
+        while client.health() != "NOT_SERVING":
+            assert time.monotonic() < deadline, "health stayed SERVING while draining"
+            time.sleep(0.05)
+        with pytest.raises(UnavailableError, match="shutting down"):
+            client.generate("too late", max_tokens=2)
+    for thread in threads:
+        thread.join(timeout=120)
+    assert [(n, last.finish_reason) for n, last in finished] == [(150, "length")] * 3
+
+
 def test_serve_generate_then_drain_on_sigterm():
     server, address, base_url, seen = start_serving("-tp", "2", "--drain-timeout", "60")
     try:
-        # The OpenAI API of the same server, through the official client; /metrics counts it.
-        api = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
-        completion = api.completions.create(
-            model=api.models.list().data[0].id, prompt="Hello", max_tokens=4, temperature=0
-        )
-        assert completion.usage.completion_tokens == 4
-        assert completion.choices[0].finish_reason == "length"
-        metrics = httpx.get(base_url.removesuffix("/v1") + "/metrics").text
-        (success,) = [
-            sample
-            for family in text_string_to_metric_families(metrics)
-            for sample in family.samples
-            if sample.name == "kvray:request_success_total"
-        ]
-        assert success.labels["finished_reason"] == "length" and success.value == 1
-
+        check_openai_api_and_metrics(base_url)
         result = run(
-            "generate",
-            "--server",
-            address,
-            "--prompt",
-            "Hello",
-            "--max-tokens",
-            "5",
-            "--temperature",
-            "0",
-            "--output",
-            "json",
-        )
+            "generate", "--server", address, "--prompt", "Hello", "--max-tokens", "5",
+            "--temperature", "0", "--output", "json",
+        )  # fmt: skip
         assert result.returncode == 0, result.stderr
         assert len(json.loads(result.stdout)["token_ids"]) == 5
-
-        # SIGTERM with streams in flight: they finish; new requests are refused meanwhile.
-        finished, started = [], threading.Barrier(4)
-
-        def stream(index: int) -> None:
-            with Client(address, timeout=120) as client:
-                deltas = client.stream(f"stream {index}", max_tokens=150, ignore_eos=True)
-                first = next(deltas)
-                started.wait()
-                rest = list(deltas)
-                finished.append((sum(len(d.token_ids) for d in [first, *rest]), rest[-1]))
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
-        for thread in threads:
-            thread.start()
-        started.wait(timeout=60)
-        server.send_signal(signal.SIGTERM)
-        with Client(address, timeout=30) as client:
-            deadline = time.monotonic() + 20
-            while client.health() != "NOT_SERVING":
-                assert time.monotonic() < deadline, "health stayed SERVING while draining"
-                time.sleep(0.05)
-            with pytest.raises(UnavailableError, match="shutting down"):
-                client.generate("too late", max_tokens=2)
-        for thread in threads:
-            thread.join(timeout=120)
-        assert [(n, last.finish_reason) for n, last in finished] == [(150, "length")] * 3
+        check_drain_finishes_streams_and_refuses_new_ones(server, address)
         server.wait(timeout=120)
     finally:
         if server.poll() is None:

@@ -89,52 +89,10 @@ class StepDriver:
         """
         preempt_after = dict(preempt_after or {})
         sampling = sampling or SamplingParams(temperature=0.0, max_tokens=1)
-        live = []
-        for request_id, prompt, max_tokens in requests:
-            hit_blocks, hit_tokens = (prefix_from or {}).get(
-                request_id, ([[]] * len(self.block_sizes), 0)
-            )
-            live.append(
-                DriverRequest(
-                    request_id,
-                    list(prompt),
-                    sampling,
-                    max_tokens,
-                    [list(b) for b in hit_blocks],
-                    num_prompt_tokens=len(prompt),
-                    num_computed=hit_tokens,
-                )
-            )
+        live = [self._start(request, sampling, prefix_from or {}) for request in requests]
         outputs = {r.request_id: [] for r in live}
         while live:
-            new_requests, deltas = [], []
-            for r in live:
-                todo = min(chunk, len(r.token_ids) - r.num_computed)
-                added = self._grow(r, r.num_computed + todo)
-                if r.is_new:
-                    new_requests.append(
-                        NewRequest(
-                            request_id=r.request_id,
-                            token_ids=list(r.token_ids),
-                            sampling=r.sampling,
-                            block_ids=[list(b) for b in r.block_ids],
-                            num_computed_tokens=r.num_computed,
-                            num_new_tokens=todo,
-                            num_prompt_tokens=r.num_prompt_tokens,
-                        )
-                    )
-                    r.is_new = False
-                else:
-                    deltas.append(
-                        RequestDelta(
-                            request_id=r.request_id,
-                            new_block_ids=added,
-                            num_computed_tokens=r.num_computed,
-                            num_new_tokens=todo,
-                        )
-                    )
-                r.num_computed += todo
-            result = self.execute(StepPlan(new_requests=new_requests, deltas=deltas))
+            result = self.execute(self._step_plan(live, chunk))
             finished = []
             for r in live:
                 if r.request_id in result.sampled:
@@ -155,3 +113,47 @@ class StepDriver:
             if finished:
                 self.execute(StepPlan(finished_ids=[r.request_id for r in finished]))
         return outputs
+
+    def _start(self, request, sampling: SamplingParams, prefix_from) -> DriverRequest:
+        request_id, prompt, max_tokens = request
+        hit_blocks, hit_tokens = prefix_from.get(request_id, ([[]] * len(self.block_sizes), 0))
+        return DriverRequest(
+            request_id,
+            list(prompt),
+            sampling,
+            max_tokens,
+            [list(b) for b in hit_blocks],
+            num_prompt_tokens=len(prompt),
+            num_computed=hit_tokens,
+        )
+
+    def _step_plan(self, live: list[DriverRequest], chunk: int) -> StepPlan:
+        """The next step: every live request's next chunk, new ones sent whole."""
+        new_requests, deltas = [], []
+        for r in live:
+            todo = min(chunk, len(r.token_ids) - r.num_computed)
+            added = self._grow(r, r.num_computed + todo)
+            if r.is_new:
+                new_requests.append(
+                    NewRequest(
+                        request_id=r.request_id,
+                        token_ids=list(r.token_ids),
+                        sampling=r.sampling,
+                        block_ids=[list(b) for b in r.block_ids],
+                        num_computed_tokens=r.num_computed,
+                        num_new_tokens=todo,
+                        num_prompt_tokens=r.num_prompt_tokens,
+                    )
+                )
+                r.is_new = False
+            else:
+                deltas.append(
+                    RequestDelta(
+                        request_id=r.request_id,
+                        new_block_ids=added,
+                        num_computed_tokens=r.num_computed,
+                        num_new_tokens=todo,
+                    )
+                )
+            r.num_computed += todo
+        return StepPlan(new_requests=new_requests, deltas=deltas)

@@ -95,6 +95,58 @@ def plan_align_states(
     return plan
 
 
+@dataclass(frozen=True)
+class _StepRequests:
+    """A step's requests as ``build_mamba_metadata`` was given them, and where each one's
+    tokens start in the step; makes the batch of any subset of them."""
+
+    num_computed: Sequence[int]
+    slots: Sequence[int]
+    checkpoints: Sequence[Sequence[tuple[int, int]]] | None
+    starts: list[int]  # [R + 1]: request i's tokens start at starts[i]
+    device: torch.device | str
+    chunk_size: int | None
+
+    def batch(self, requests, spans, is_prompt: bool = True, scan: bool = True) -> MambaBatch:
+        """``spans``: each request's (first token, count) in the step; ``scan``: an SSD pass
+        (its chunk table is built here, for every layer)."""
+        device, starts = self.device, self.starts
+        rows = [row for first, count in spans for row in range(first, first + count)]
+        lens = [count for _, count in spans]
+        positions = [
+            self.num_computed[i] + first - starts[i]
+            for i, (first, _) in zip(requests, spans, strict=True)
+        ]
+        query_start_loc = _tensor([0, *_cumsum(lens)], torch.int32, device)
+        start_positions = _tensor(positions, torch.int32, device)
+        saved = self._checkpoints_in(requests, spans)
+        chunks = None
+        if scan and self.chunk_size is not None:
+            chunks = build_ssd_chunks(query_start_loc, self.chunk_size, start_positions, saved)
+        return MambaBatch(
+            # Disjoint, ascending spans that cover every token are the whole step, in order.
+            token_index=None if len(rows) == starts[-1] else _tensor(rows, torch.int64, device),
+            query_start_loc=query_start_loc,
+            state_indices=_tensor([self.slots[i] for i in requests], torch.int32, device),
+            has_initial_state=_tensor([p > 0 for p in positions], torch.bool, device),
+            start_positions=start_positions,
+            is_prompt=is_prompt,
+            checkpoints=saved,
+            chunk_size=self.chunk_size,
+            chunks=chunks,
+        )
+
+    def _checkpoints_in(self, requests, spans) -> torch.Tensor | None:
+        """The checkpoints inside each span, counted from the span's start."""
+        saved = []
+        for local, (i, (first, count)) in enumerate(zip(requests, spans, strict=True)):
+            skip = first - self.starts[i]
+            for consumed, slot in self.checkpoints[i] if self.checkpoints else ():
+                if skip < consumed <= skip + count:
+                    saved.append((local, consumed - skip, slot))
+        return _tensor(saved, torch.int32, self.device) if saved else None
+
+
 def build_mamba_metadata(
     query_lens: Sequence[int],
     num_computed: Sequence[int],
@@ -107,67 +159,31 @@ def build_mamba_metadata(
     """Metadata of one step; per request (batch order): new tokens, tokens computed before,
     prompt length, state slot, and the states to checkpoint on the way as (tokens consumed,
     slot) pairs (only prefills cross a boundary before their last token)."""
-    starts = [0]
-    for query_len in query_lens:
-        starts.append(starts[-1] + query_len)
+    starts = [0, *_cumsum(query_lens)]
+    step = _StepRequests(num_computed, slots, checkpoints, starts, device, chunk_size)
     is_decode = [
         n == 1 and done >= prompt
         for n, done, prompt in zip(query_lens, num_computed, num_prompt_tokens, strict=True)
     ]
     decodes = [i for i, flag in enumerate(is_decode) if flag]
     prefills = [i for i, flag in enumerate(is_decode) if not flag]
-
-    def batch(requests, spans: list[tuple[int, int]], is_prompt: bool = True, scan: bool = True):
-        """``spans``: each request's (first token, count) in the step; ``scan``: an SSD pass
-        (its chunk table is built here, for every layer)."""
-        rows = [row for first, count in spans for row in range(first, first + count)]
-        lens = [count for _, count in spans]
-        positions = [
-            num_computed[i] + first - starts[i]
-            for i, (first, _) in zip(requests, spans, strict=True)
-        ]
-        saved = []  # the checkpoints inside each span, counted from the span's start
-        for local, (i, (first, count)) in enumerate(zip(requests, spans, strict=True)):
-            skip = first - starts[i]
-            for consumed, slot in checkpoints[i] if checkpoints else ():
-                if skip < consumed <= skip + count:
-                    saved.append((local, consumed - skip, slot))
-        query_start_loc = _tensor([0, *_cumsum(lens)], torch.int32, device)
-        start_positions = _tensor(positions, torch.int32, device)
-        saved = _tensor(saved, torch.int32, device) if saved else None
-        chunks = None
-        if scan and chunk_size is not None:
-            chunks = build_ssd_chunks(query_start_loc, chunk_size, start_positions, saved)
-        return MambaBatch(
-            # Disjoint, ascending spans that cover every token are the whole step, in order.
-            token_index=None if len(rows) == starts[-1] else _tensor(rows, torch.int64, device),
-            query_start_loc=query_start_loc,
-            state_indices=_tensor([slots[i] for i in requests], torch.int32, device),
-            has_initial_state=_tensor([p > 0 for p in positions], torch.bool, device),
-            start_positions=start_positions,
-            is_prompt=is_prompt,
-            checkpoints=saved,
-            chunk_size=chunk_size,
-            chunks=chunks,
-        )
-
-    decode = batch(decodes, [(starts[i], 1) for i in decodes], scan=False) if decodes else None
+    decode = step.batch(decodes, [(starts[i], 1) for i in decodes], scan=False) if decodes else None
     if not prefills:
         return MambaMetadata(decode, None, (), chunk_size)
     prompt_counts = {
         i: min(max(num_prompt_tokens[i] - num_computed[i], 0), query_lens[i]) for i in prefills
     }
     one_pass = all(prompt_counts[i] == query_lens[i] for i in prefills)
-    prefill = batch(prefills, [(starts[i], query_lens[i]) for i in prefills], scan=one_pass)
+    prefill = step.batch(prefills, [(starts[i], query_lens[i]) for i in prefills], scan=one_pass)
     if one_pass:
         return MambaMetadata(decode, prefill, (prefill,), chunk_size)
     passes = []
     in_prompt = [i for i in prefills if prompt_counts[i] > 0]
     if in_prompt:
-        passes.append(batch(in_prompt, [(starts[i], prompt_counts[i]) for i in in_prompt]))
+        passes.append(step.batch(in_prompt, [(starts[i], prompt_counts[i]) for i in in_prompt]))
     rest = [i for i in prefills if prompt_counts[i] < query_lens[i]]
     spans = [(starts[i] + prompt_counts[i], query_lens[i] - prompt_counts[i]) for i in rest]
-    passes.append(batch(rest, spans, is_prompt=False))
+    passes.append(step.batch(rest, spans, is_prompt=False))
     return MambaMetadata(decode, prefill, tuple(passes), chunk_size)
 
 
