@@ -125,7 +125,7 @@ def save_nemotron_h(directory: Path, layers, n_groups: int, **overrides) -> Path
 
 # A tiny dense DeepSeek-V3 (every layer dense: first_k_dense_replace = num_hidden_layers) with
 # nope, rope and value head sizes all different, so no path may confuse them. Its geometry
-# puts the expansion threshold (workers.mla_metadata) at 9 new tokens: prefill chunks of 9 or
+# puts the expansion threshold (workers.kinds.mla_metadata) at 9 new tokens: prefill chunks of 9 or
 # more expand their context, shorter ones attend in latent space, as decode does.
 DEEPSEEK_V3 = dict(
     vocab_size=VOCAB,

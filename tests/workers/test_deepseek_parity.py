@@ -6,7 +6,7 @@ Each case runs the three prompts together (continuous batching: one request deco
 others still prefill) in chunks, and compares with transformers run one prompt at a time.
 Decode tokens attend in latent space; so do prefill chunks of fewer than 9 new tokens (this
 geometry's expansion threshold) and those whose context is past the step's expansion budget;
-longer chunks expand their context to per-head K/V (``workers.mla_metadata``). Chunks of 9 or
+longer chunks expand their context to per-head K/V (``workers.kinds.mla_metadata``). Chunks of 9 or
 64 take both prefill paths (a prompt's tail chunk is short), chunks of 5-7 only the latent.
 """
 
