@@ -11,6 +11,8 @@ import itertools
 import uuid
 from collections.abc import Sequence
 
+import msgspec
+
 from cluster.output.detokenizer import IncrementalDetokenizer
 from cluster.scheduler.request import EngineRequest
 from cluster.validation import (
@@ -27,6 +29,20 @@ from workers.sampling import SamplingParams
 from workers.tokenizer import Tokenizer
 
 INLINE_TOKENIZE_CHARS = 4096  # longer text prompts are tokenized in a worker thread
+
+
+class AdmittedRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A request that passed every check, before it is anything an engine holds: what an
+    ingress sends to the engine replica it routes the request to."""
+
+    request_id: str
+    token_ids: list[int]  # the prompt
+    sampling: SamplingParams  # max_tokens resolved
+    cache_salt: str | None = None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids
 
 
 class Admission:
@@ -50,6 +66,28 @@ class Admission:
         except (ValueError, TypeError) as exc:  # an unknown field, a value of the wrong type
             raise InvalidRequestError(str(exc)) from None
 
+    async def admit(
+        self,
+        prompt: str | Sequence[int],
+        sampling: SamplingParams,
+        request_id: str | None,
+        *,
+        cache_salt: str | None,
+    ) -> AdmittedRequest:
+        """A checked request. ``cache_salt`` confines its prefix-cache hits to requests with
+        the same salt (a tenant's own)."""
+        for field, text in (("request_id", request_id), ("cache_salt", cache_salt)):
+            if text is not None:
+                check_text(text, field)
+        token_ids = await self._token_ids(prompt)
+        check_prompt_len(len(token_ids), self.max_model_len)
+        return AdmittedRequest(
+            request_id=request_id or uuid.uuid4().hex,
+            token_ids=token_ids,
+            sampling=resolve_max_tokens(sampling, len(token_ids), self.max_model_len),
+            cache_salt=cache_salt,
+        )
+
     async def request(
         self,
         prompt: str | Sequence[int],
@@ -59,23 +97,19 @@ class Admission:
         cache_salt: str | None,
         hash_block_size: int,
     ) -> EngineRequest:
-        """A checked request. ``cache_salt`` confines its prefix-cache hits to requests with
-        the same salt (a tenant's own)."""
-        for field, text in (("request_id", request_id), ("cache_salt", cache_salt)):
-            if text is not None:
-                check_text(text, field)
-        token_ids = await self._token_ids(prompt)
-        check_prompt_len(len(token_ids), self.max_model_len)
-        sampling = resolve_max_tokens(sampling, len(token_ids), self.max_model_len)
-        request_id = request_id or uuid.uuid4().hex
+        """A checked request, as the engine holds it (see ``admit``)."""
+        admitted = await self.admit(prompt, sampling, request_id, cache_salt=cache_salt)
         kv = KVRequest(
-            request_id, token_ids, hash_block_size=hash_block_size, cache_salt=cache_salt
+            admitted.request_id,
+            admitted.token_ids,
+            hash_block_size=hash_block_size,
+            cache_salt=cache_salt,
         )
         return EngineRequest(
-            request_id=request_id,
+            request_id=admitted.request_id,
             kv=kv,
-            sampling=sampling,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids),
+            sampling=admitted.sampling,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, admitted.token_ids),
             arrival_index=next(self._arrivals),
         )
 

@@ -13,7 +13,7 @@ from cluster.http.server import HttpServer
 from cluster.metrics import EngineMetrics
 from cluster.scheduler.scheduler import Scheduler, SchedulerConfig
 from cluster.server import ApiServer
-from cluster.server_info import static_info
+from cluster.server_info import server_info, static_info
 from kvcore import KVCacheConfig
 from kvcore.coordinator import KVCacheCoordinator
 from workers.model_config import ModelConfig
@@ -85,7 +85,7 @@ def build_server(config: EngineConfig, engine: AsyncEngine, kv_config: KVCacheCo
     )
     return ApiServer(
         engine,
-        info,
+        lambda: server_info(engine, info),
         host=config.host,
         port=config.port,
         api_key=config.api_key,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+from collections.abc import Callable
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -23,7 +24,6 @@ from cluster.errors import (
     InvalidRequestError,
     OverloadedError,
 )
-from cluster.server_info import server_info
 from workers.sampling import SAMPLING_FIELDS
 
 logger = logging.getLogger(__name__)
@@ -100,9 +100,9 @@ def tolerant_parser(message_class):
 
 
 class EngineServicer(pb_grpc.EngineServicer):
-    def __init__(self, engine: AsyncEngine, info: dict):
+    def __init__(self, engine: AsyncEngine, describe: Callable[[], pb.ServerInfo]):
         self.engine = engine
-        self.info = info
+        self.describe = describe  # GetServerInfo's answer, now
 
     async def Generate(self, request, context):
         try:
@@ -137,7 +137,10 @@ class EngineServicer(pb_grpc.EngineServicer):
         return pb.AbortResponse(aborted=self.engine.abort(request.request_id))
 
     async def GetServerInfo(self, request, context):
-        return server_info(self.engine, self.info)
+        try:
+            return self.describe()
+        except tuple(error for error, _ in STATUS_CODES) as exc:
+            await context.abort(status_code(exc), str(exc))
 
 
 def status_code(error: Exception) -> grpc.StatusCode:
@@ -214,7 +217,7 @@ class ApiServer:
     def __init__(
         self,
         engine: AsyncEngine,
-        info: dict,
+        describe: Callable[[], pb.ServerInfo],
         *,
         host: str,
         port: int,
@@ -226,7 +229,7 @@ class ApiServer:
             interceptors=interceptors,
             options=[("grpc.max_receive_message_length", max_request_bytes)],
         )
-        add_engine_service(self.server, EngineServicer(engine, info))
+        add_engine_service(self.server, EngineServicer(engine, describe))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port(f"{host}:{port}")

@@ -34,7 +34,21 @@ def static_info(
     )
 
 
+def occupancy(engine) -> dict:
+    """What one engine holds and has done now: the numbers every replica reports."""
+    scheduler = engine.scheduler
+    return dict(
+        num_free_blocks=scheduler.coordinator.num_free_blocks,
+        num_running_requests=len(scheduler.running),
+        num_waiting_requests=len(scheduler.waiting),
+        prefix_cache_queried_tokens=scheduler.prefix_queried_tokens,
+        prefix_cache_hit_tokens=scheduler.prefix_hit_tokens,
+        num_requests_finished=scheduler.num_finished,
+    )
+
+
 def server_info(engine, info: dict) -> pb.ServerInfo:
+    """One engine's info: the plan, its occupancy, and itself as the one replica."""
     scheduler = engine.scheduler
     groups = []
     for static, hit_tokens in zip(info["groups"], scheduler.prefix_group_hit_tokens, strict=True):
@@ -42,12 +56,12 @@ def server_info(engine, info: dict) -> pb.ServerInfo:
         group.CopyFrom(static)
         group.prefix_cache_group_hit_tokens = hit_tokens
         groups.append(group)
+    numbers = occupancy(engine)
+    totals = {k: v for k, v in numbers.items() if k != "num_requests_finished"}
     return pb.ServerInfo(
         **{**info, "groups": groups},
-        num_free_blocks=scheduler.coordinator.num_free_blocks,
-        num_running_requests=len(scheduler.running),
-        num_waiting_requests=len(scheduler.waiting),
-        prefix_cache_queried_tokens=scheduler.prefix_queried_tokens,
-        prefix_cache_hit_tokens=scheduler.prefix_hit_tokens,
+        **totals,
         **engine.stats.summary(),
+        data_parallel_size=1,
+        replicas=[pb.ReplicaInfo(replica_id="0", **numbers)],
     )

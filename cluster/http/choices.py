@@ -57,7 +57,7 @@ async def prepare_choices(
     requests = []
     for prompt in prompts:
         first = await engine.prepare(prompt, samplings[0], cache_salt=cache_salt)
-        token_ids = first.kv.token_ids[: first.num_prompt_tokens]
+        token_ids = first.prompt_token_ids
         requests.append(first)
         for sampling in samplings[1:]:
             requests.append(await engine.prepare(token_ids, sampling, cache_salt=cache_salt))

@@ -50,6 +50,10 @@ class EngineRequest:
         return self.kv.num_prompt_tokens
 
     @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.kv.token_ids[: self.kv.num_prompt_tokens]
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.kv.token_ids[self.kv.num_prompt_tokens :]
 

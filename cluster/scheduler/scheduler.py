@@ -66,6 +66,7 @@ class Scheduler:
         self._finished_ids: list[str] = []  # tell the workers to forget these
         self._preempted_ids: list[str] = []  # ... and these, but keep their sampling state
         self.num_preemptions = 0
+        self.num_finished = 0  # requests that ended, for whatever reason
         # Prefix-cache lookups of admitted prompts: tokens queried, found, found per group.
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
@@ -91,6 +92,7 @@ class Scheduler:
             return
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        self.num_finished += 1
         self.coordinator.free(request.kv)
         if request in self.running:
             self.running.remove(request)
