@@ -9,6 +9,7 @@ from typing import Annotated
 
 import msgspec
 
+from cluster.serve.routing import POLICIES
 from workers.options import RankSettings, WorkerOptions, setting
 
 DEFAULT_PORT = 50051
@@ -110,6 +111,39 @@ class EngineConfig(RankSettings, frozen=True, kw_only=True):
             group="server",
         ),
     ] = 3
+    data_parallel_size: Annotated[
+        int,
+        setting(
+            "engine replicas behind the endpoint, each with its own TP worker group, on Ray "
+            "Serve (1: one engine, no Serve)",
+            aliases=("-dp",),
+            group="server",
+        ),
+    ] = 1
+    routing_policy: Annotated[
+        str,
+        setting(
+            "how replicas are picked: kv-aware (the longest cached prefix, unless "
+            "overloaded), round-robin or power-of-two",
+            choices=POLICIES,
+            group="server",
+        ),
+    ] = "kv-aware"
+    autoscale: Annotated[
+        str | None,
+        setting(
+            "MIN:MAX replicas, scaled by Serve on requests in flight (instead of a fixed "
+            "--data-parallel-size)",
+            default_text="off",
+            group="server",
+        ),
+    ] = None
+    target_ongoing_requests: Annotated[
+        int,
+        setting(
+            "with --autoscale: the requests in flight per replica to scale toward", group="server"
+        ),
+    ] = 16
     # Not flags: set by the code that places the workers.
     placement_timeout_s: float = 120.0
     use_gpu: bool | None = None  # None: when the Ray cluster has GPUs
@@ -124,10 +158,24 @@ class EngineConfig(RankSettings, frozen=True, kw_only=True):
             "http_port": self.http_port is None or 0 <= self.http_port < 65536,
             "max_request_body_bytes": self.max_request_body_bytes >= 1,
             "placement_strategy": self.placement_strategy in PLACEMENT_STRATEGIES,
+            "data_parallel_size": self.data_parallel_size >= 1,
+            "routing_policy": self.routing_policy in POLICIES,
+            "autoscale": self.autoscale is None or _replica_range(self.autoscale) is not None,
+            "target_ongoing_requests": self.target_ongoing_requests >= 1,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid engine settings: {', '.join(bad)} (got {self})")
+
+    @property
+    def uses_replicas(self) -> bool:
+        """Whether Serve runs replicas (else one engine in one controller, no Serve)."""
+        return self.data_parallel_size > 1 or self.autoscale is not None
+
+    @property
+    def replica_range(self) -> tuple[int, int] | None:
+        """--autoscale's (min, max) replicas; None without it."""
+        return None if self.autoscale is None else _replica_range(self.autoscale)
 
     def for_workers_on(self, *, use_gpu: bool) -> EngineConfig:
         """These settings with the defaults that depend on the workers' device filled in."""
@@ -144,3 +192,12 @@ class EngineConfig(RankSettings, frozen=True, kw_only=True):
         if self.attention_backend is None:
             raise ValueError("worker_options() of settings not yet resolved by for_workers_on()")
         return WorkerOptions.of(self, device=device, num_threads=num_threads)
+
+
+def _replica_range(text: str) -> tuple[int, int] | None:
+    """``"1:4"`` -> (1, 4); None when it is no such range."""
+    low, _, high = text.partition(":")
+    if not (low.strip().isdigit() and high.strip().isdigit()):
+        return None
+    low, high = int(low), int(high)
+    return (low, high) if 1 <= low <= high else None

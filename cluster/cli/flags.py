@@ -6,6 +6,8 @@ field's default; a ``KVRAY_*`` variable (``cluster.env``) supplies it first."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import types
 import typing
 from dataclasses import dataclass
@@ -124,6 +126,31 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         if value is not None or "command_default" in flag.cli:
             given[flag.field] = value
     return EngineConfig(**given)
+
+
+def config_of_settings(settings: dict) -> EngineConfig:
+    """The settings of a mapping such as a Serve application's ``args``: each key a
+    ``kvray serve`` flag without its dashes (``tensor-parallel-size`` or
+    ``tensor_parallel_size``), each value what the flag takes (True/False for on/off flags),
+    read exactly as the command line would be, ``KVRAY_*`` defaults included."""
+    parser = argparse.ArgumentParser(prog="kvray serve args", add_help=False, exit_on_error=False)
+    add_setting_flags(parser, serving=True)
+    words = []
+    for key, value in settings.items():
+        flag = "--" + str(key).replace("_", "-")
+        if isinstance(value, bool):
+            words.append(flag if value else "--no-" + flag[2:])
+        else:
+            words += [flag, str(value)]
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            args, unknown = parser.parse_known_args(words)
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise ValueError(f"kvray settings: {errors.getvalue().strip() or exc}") from None
+    if unknown:
+        raise ValueError(f"kvray settings: no such setting(s): {' '.join(unknown)}")
+    return engine_config(args)
 
 
 def add_log_level(parser: argparse.ArgumentParser) -> None:

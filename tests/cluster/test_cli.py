@@ -231,6 +231,32 @@ def test_serve_generate_then_drain_on_sigterm():
     assert any("draining" in line for line in seen)
 
 
+def test_serve_two_replicas_on_two_cpus_and_two_sigterms_drain_once():
+    """``kvray serve -dp 2`` on this 2-CPU machine: only the two worker bundles reserve CPUs;
+    both APIs answer; a second SIGTERM during the first's handling (a supervisor and the
+    kubelet both signalling) neither hangs nor cuts the drain short."""
+    server, address, base_url, seen = start_serving("-dp", "2", "--cpus-per-worker", "1")
+    try:
+        assert "with 2 replica(s) on Ray Serve (TP 1 each, kv-aware routing)" in seen[-1]
+        api = openai.OpenAI(base_url=base_url.strip(), api_key="unused", max_retries=0)
+        completion = api.completions.create(model="embedded:tiny", prompt="Hello", max_tokens=4)
+        assert completion.usage.completion_tokens == 4
+        with Client(address, timeout=60) as client:
+            assert len(client.generate([1, 2, 3], max_tokens=3).token_ids) == 3
+            assert client.info()["data_parallel_size"] == 2
+            deadline = time.monotonic() + 10  # the replicas report every half second
+            while sum(r["num_requests_finished"] for r in client.info()["replicas"]) < 2:
+                assert time.monotonic() < deadline, client.info()
+                time.sleep(0.1)
+        server.send_signal(signal.SIGTERM)
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=120) == 0, "".join(seen)
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert sum("draining" in line for line in seen) == 1, "".join(seen)
+
+
 def test_errors_are_one_line_without_a_traceback():
     result = run("generate", "--model", "/nonexistent", "--prompt", "hi", timeout=120)
     assert result.returncode == 2

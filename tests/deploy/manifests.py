@@ -68,8 +68,24 @@ def validate(document: dict) -> None:
         kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
 
 
-def containers(document: dict) -> list[dict]:
+def cluster_spec(document: dict) -> dict:
+    """The RayCluster spec of a RayCluster, a RayJob or a RayService."""
     spec = document["spec"]
-    cluster = spec.get("rayClusterSpec", spec) if document["kind"] == "RayJob" else spec
+    return spec.get("rayClusterSpec") or spec.get("rayClusterConfig") or spec
+
+
+def containers(document: dict) -> list[dict]:
+    cluster = cluster_spec(document)
     groups = [cluster["headGroupSpec"], *cluster.get("workerGroupSpecs", [])]
     return [c for g in groups for c in g["template"]["spec"]["containers"]]
+
+
+def rayservice_application(file: str = "rayservice-replicas.yaml"):
+    """The one Serve application of the RayService in ``file``, as Ray Serve's own schema
+    reads its ``serveConfigV2``."""
+    from ray.serve.schema import ServeDeploySchema
+
+    (service,) = [d for n, d in manifests() if n == file and d["kind"] == "RayService"]
+    config = ServeDeploySchema.model_validate(yaml.safe_load(service["spec"]["serveConfigV2"]))
+    (application,) = config.applications
+    return application

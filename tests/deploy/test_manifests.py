@@ -16,10 +16,12 @@ import pytest
 import tomllib
 
 from cluster.cli import build_parser
-from tests.deploy.manifests import DEPLOY, ROOT, containers, manifests, validate
+from tests.deploy.manifests import DEPLOY, ROOT, cluster_spec, containers, manifests, validate
 
 DOCUMENTS = manifests()
 RAY_OBJECTS = [(f, d) for f, d in DOCUMENTS if d["kind"] in ("RayCluster", "RayJob")]
+# Every object that brings up a Ray cluster (a RayService's application is in its own tests).
+RAY_CLUSTERS = [(f, d) for f, d in DOCUMENTS if d["kind"].startswith("Ray")]
 
 
 def pinned_ray_version() -> str:
@@ -34,7 +36,14 @@ def ids(items):
 
 def test_every_kind_is_present():
     kinds = {d["kind"] for _, d in DOCUMENTS}
-    assert {"RayCluster", "RayJob", "Service", "Secret", "PersistentVolumeClaim"} <= kinds
+    assert {
+        "RayCluster",
+        "RayJob",
+        "RayService",
+        "Service",
+        "Secret",
+        "PersistentVolumeClaim",
+    } <= kinds
 
 
 @pytest.mark.parametrize(("name", "document"), DOCUMENTS, ids=ids(DOCUMENTS))
@@ -85,7 +94,7 @@ def test_every_kvray_entrypoint_parses_with_the_cli():
 @pytest.mark.parametrize(("name", "document"), RAY_OBJECTS, ids=ids(RAY_OBJECTS))
 def test_a_tp_group_fits_in_one_pod(name, document):
     """STRICT_PACK keeps every rank on one node, so some worker pod must hold all TP GPUs."""
-    spec = document["spec"].get("rayClusterSpec", document["spec"])
+    spec = cluster_spec(document)
     gpus_per_pod = [
         int(c["resources"]["limits"].get("nvidia.com/gpu", 0))
         for group in spec["workerGroupSpecs"]
@@ -121,10 +130,10 @@ def test_the_serving_head_drains_before_it_is_killed():
         assert drained_by + 5 <= pre_stop_sleep(ray) < pod["terminationGracePeriodSeconds"]
 
 
-@pytest.mark.parametrize(("name", "document"), RAY_OBJECTS, ids=ids(RAY_OBJECTS))
+@pytest.mark.parametrize(("name", "document"), RAY_CLUSTERS, ids=ids(RAY_CLUSTERS))
 def test_ray_version_images_auth_and_gpus(name, document):
     version = pinned_ray_version()
-    spec = document["spec"].get("rayClusterSpec", document["spec"])
+    spec = cluster_spec(document)
     assert spec["rayVersion"] == version
     assert spec["authOptions"]["mode"] == "token"
     assert spec["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
@@ -145,7 +154,7 @@ def test_ray_version_images_auth_and_gpus(name, document):
 
 
 def test_the_service_exposes_the_apis_and_not_the_dashboard():
-    (service,) = [d for _, d in DOCUMENTS if d["kind"] == "Service"]
+    (service,) = [d for _, d in DOCUMENTS if d["metadata"]["name"] == "kvray-grpc"]
     ports = [(p["name"], p["port"]) for p in service["spec"]["ports"]]
     assert ports == [("grpc", 50051), ("http", 8000)]
     (cluster,) = [d for _, d in DOCUMENTS if d["kind"] == "RayCluster"]
