@@ -54,17 +54,25 @@ async def run_requests(
     requests: list[BenchRequest],
     *,
     request_rate: float = float("inf"),
+    max_concurrency: int | None = None,
     seed: int = 0,
     api_key: str | None = None,
 ) -> tuple[list[RequestTiming], float]:
     """Send ``requests`` (all at once, or as a Poisson process of ``request_rate`` per
-    second); returns their timings and the wall time of the whole run."""
+    second; at most ``max_concurrency`` in flight, None: no bound); returns their timings and
+    the wall time of the whole run."""
     rng = random.Random(seed)
+    in_flight = asyncio.Semaphore(max_concurrency or len(requests) or 1)
+
+    async def bounded(client: AsyncClient, request: BenchRequest) -> RequestTiming:
+        async with in_flight:
+            return await _timed(client, request)
+
     async with AsyncClient(address, api_key=api_key) as client:
         started = time.perf_counter()
         tasks = []
         for request in requests:
-            tasks.append(asyncio.ensure_future(_timed(client, request)))
+            tasks.append(asyncio.ensure_future(bounded(client, request)))
             if request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(request_rate))
         timings = await asyncio.gather(*tasks)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from contextlib import contextmanager
 
 import msgspec
@@ -10,7 +11,12 @@ import torch
 
 from cluster.bench.decode_cost import decode_cost
 from cluster.bench.measure import latency_summary, run_requests
-from cluster.bench.workload import random_requests, shared_prefix_requests
+from cluster.bench.workload import (
+    ideal_cached_tokens,
+    multi_tenant_requests,
+    random_requests,
+    shared_prefix_requests,
+)
 from cluster.client import Client
 from cluster.config import EngineConfig
 from cluster.launch import running_engine
@@ -81,30 +87,83 @@ def throughput(config: EngineConfig, args) -> list[dict]:
 
 
 def serve(args) -> list[dict]:
-    """Against a running server (its model's vocabulary is read from GetServerInfo)."""
+    """Against a running server (its model's vocabulary is read from GetServerInfo): random
+    prompts, or ``--workload multi-tenant`` (shared system prompts), which also reports the
+    prompt tokens served from the cache against what a cache that never evicts would serve,
+    and how the requests spread over the server's replicas."""
     with Client(args.server, api_key=args.api_key) as client:
-        vocab = client.info()["vocab_size"]
-    requests = random_requests(
-        args.num_prompts, args.input_len, args.output_len, vocab_size=vocab, seed=args.seed
-    )
+        before = client.info()
+    vocab = before["vocab_size"]
+    if args.workload == "multi-tenant":
+        pairs = multi_tenant_requests(
+            args.num_prompts,
+            args.num_tenants,
+            args.system_prompt_len,
+            args.user_len,
+            args.output_len,
+            vocab_size=vocab,
+            seed=args.seed,
+        )
+        requests = [request for _, request in pairs]
+    else:
+        requests = random_requests(
+            args.num_prompts, args.input_len, args.output_len, vocab_size=vocab, seed=args.seed
+        )
     timings, wall = asyncio.run(
         run_requests(
             args.server,
             requests,
             request_rate=args.request_rate,
+            max_concurrency=args.max_concurrency,
             seed=args.seed,
             api_key=args.api_key,
         )
     )
-    with Client(args.server, api_key=args.api_key) as client:
-        info = client.info()
-    return [
-        {
-            "request_rate": args.request_rate,
-            **latency_summary(timings, wall),
-            **{key: info[key] for key in ENGINE_STAT_KEYS},
+    after = settled_info(args.server, args.api_key, before, len(timings))
+    row = {
+        "workload": args.workload,
+        "replicas": max(after["data_parallel_size"], 1),
+        "routing_policy": after["routing_policy"] or "-",
+        "request_rate": args.request_rate,
+        **latency_summary(timings, wall),
+    }
+    if args.workload == "multi-tenant":
+        prompt_tokens = sum(t.num_prompt_tokens for t in timings)
+        cached = sum(t.num_cached_tokens for t in timings)
+        ideal = ideal_cached_tokens(
+            [tenant for tenant, _ in pairs], args.system_prompt_len, after["scheduler_block_size"]
+        )
+        row |= {
+            "cached_prompt_tokens": cached,
+            "cached_share": cached / prompt_tokens,
+            "ideal_cached_share": ideal / prompt_tokens,
+            "of_ideal": cached / ideal if ideal else 0.0,
+            "finished_per_replica": "/".join(
+                map(str, finished_per_replica(before, after, len(timings)))
+            ),
         }
-    ]
+    return [row | {key: after[key] for key in ENGINE_STAT_KEYS}]
+
+
+def settled_info(server: str, api_key: str | None, before: dict, num_requests: int) -> dict:
+    """GetServerInfo once every replica's report counts the run's requests (replicas report
+    every half second; one engine's reply is current)."""
+    with Client(server, api_key=api_key) as client:
+        deadline = time.monotonic() + 5.0
+        while True:
+            after = client.info()
+            done = sum(finished_per_replica(before, after, num_requests))
+            if done >= num_requests or time.monotonic() > deadline:
+                return after
+            time.sleep(0.1)
+
+
+def finished_per_replica(before: dict, after: dict, num_requests: int) -> list[int]:
+    """Requests each replica finished between two GetServerInfo replies (one engine: all)."""
+    if not after["replicas"]:
+        return [num_requests]
+    earlier = {r["replica_id"]: r["num_requests_finished"] for r in before["replicas"]}
+    return [r["num_requests_finished"] - earlier.get(r["replica_id"], 0) for r in after["replicas"]]
 
 
 def prefix(config: EngineConfig, args) -> list[dict]:

@@ -45,6 +45,43 @@ def shared_prefix_requests(
     ]
 
 
+def multi_tenant_requests(
+    num: int,
+    num_tenants: int,
+    system_prompt_len: int,
+    user_range: tuple[int, int],
+    output_range: tuple[int, int],
+    *,
+    vocab_size: int,
+    seed: int = 0,
+) -> list[tuple[int, BenchRequest]]:
+    """Chat traffic of several applications: ``num_tenants`` system prompts of
+    ``system_prompt_len`` tokens, each request one of them (drawn at random) followed by its
+    own user turn. Returns (tenant, request) pairs."""
+    rng = random.Random(seed)
+    systems = [
+        [rng.randrange(vocab_size) for _ in range(system_prompt_len)] for _ in range(num_tenants)
+    ]
+    pairs = []
+    for _ in range(num):
+        tenant = rng.randrange(num_tenants)
+        user = [rng.randrange(vocab_size) for _ in range(rng.randint(*user_range))]
+        pairs.append(
+            (
+                tenant,
+                BenchRequest(prompt=systems[tenant] + user, max_tokens=rng.randint(*output_range)),
+            )
+        )
+    return pairs
+
+
+def ideal_cached_tokens(tenants: list[int], system_prompt_len: int, block_size: int) -> int:
+    """The prompt tokens a cache that never evicts would serve: every request after a
+    tenant's first hits its system prompt's whole blocks."""
+    repeats = len(tenants) - len(set(tenants))
+    return repeats * (system_prompt_len // block_size) * block_size
+
+
 def parse_range(text: str) -> tuple[int, int]:
     """``"32-256"`` or ``"64"`` -> (low, high)."""
     low, _, high = text.partition("-")

@@ -66,8 +66,28 @@ def _add_serve(modes, shared, lengths) -> None:
         default=float("inf"),
         help="requests per second, Poisson arrivals (default: all at once)",
     )
-    serve.add_argument("--input-len", type=lengths["type"], default=(32, 256))
+    serve.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="at most this many requests in flight (default: no bound)",
+    )
+    serve.add_argument(
+        "--workload",
+        choices=["random", "multi-tenant"],
+        default="random",
+        help="random prompts (default), or shared system prompts, each request one of them "
+        "with its own user turn (reports cached-token share and requests per replica)",
+    )
+    serve.add_argument("--input-len", type=lengths["type"], default=(32, 256),
+                       help="random: prompt lengths (default 32-256)")  # fmt: skip
     serve.add_argument("--output-len", type=lengths["type"], default=(16, 256))
+    serve.add_argument("--num-tenants", type=int, default=16,
+                       help="multi-tenant: system prompts (default 16)")  # fmt: skip
+    serve.add_argument("--system-prompt-len", type=int, default=256,
+                       help="multi-tenant: tokens per system prompt (default 256)")  # fmt: skip
+    serve.add_argument("--user-len", type=lengths["type"], default=(16, 64),
+                       help="multi-tenant: user-turn lengths (default 16-64)")  # fmt: skip
 
 
 def _add_prefix(modes, shared) -> None:

@@ -10,9 +10,15 @@ import sys
 import pytest
 
 from cluster.bench.report import format_table
-from cluster.bench.workload import parse_range, random_requests, shared_prefix_requests
+from cluster.bench.workload import (
+    multi_tenant_requests,
+    parse_range,
+    random_requests,
+    shared_prefix_requests,
+)
 from cluster.config import EngineConfig
 from cluster.local import LocalServer
+from workers.model_source import model_config_for
 
 SMALL = ["--kv-cache-memory", "16MiB", "--max-model-len", "256", "--log-level", "WARNING"]
 
@@ -138,3 +144,41 @@ def test_workloads_and_table():
     assert shared[0].prompt[:10] == shared[2].prompt[:10]
     table = format_table("t", [{"a": 1, "b": 0.5}, {"a": 22, "c": "x"}])
     assert table.splitlines()[1].split() == ["a", "b", "c"]
+
+
+def test_serve_multi_tenant_reports_the_cached_share(tmp_path):
+    """One request at a time on a cache that holds every system prompt: each tenant's first
+    request computes its system prompt, every later one hits all its whole blocks."""
+    config = EngineConfig(kv_cache_memory_bytes=16 << 20, port=0, max_model_len=256)
+    with LocalServer(config) as server:
+        report = bench(
+            "serve",
+            "--server",
+            server.address,
+            "--workload",
+            "multi-tenant",
+            "--num-prompts",
+            "10",
+            "--num-tenants",
+            "3",
+            "--system-prompt-len",
+            "40",
+            "--user-len",
+            "4-12",
+            "--output-len",
+            "2",
+            "--max-concurrency",
+            "1",
+            "--log-level",
+            "WARNING",
+            tmp_path=tmp_path,
+        )
+    (row,) = report["results"]
+    vocab = model_config_for(config.model).vocab_size
+    pairs = multi_tenant_requests(10, 3, 40, (4, 12), (2, 2), vocab_size=vocab)
+    assert len({tenant for tenant, _ in pairs}) == 3
+    # 40 tokens: two whole blocks of 16 per repeat.
+    assert row["cached_prompt_tokens"] == (10 - 3) * 32
+    assert row["of_ideal"] == 1.0 and 0 < row["cached_share"] == row["ideal_cached_share"] < 1
+    assert row["replicas"] == 1 and row["routing_policy"] == "-"
+    assert row["finished_per_replica"] == "10"
