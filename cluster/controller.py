@@ -14,7 +14,7 @@ from cluster.assembly import build_scheduler, start_serving
 from cluster.config import EngineConfig
 from cluster.placement import cpus_per_worker, reserve, start_worker_actors, worker_bundle
 from cluster.scheduler.scheduler import Scheduler
-from cluster.startup import plan_kv_cache
+from cluster.startup import check_expert_split, plan_kv_cache
 from cluster.transport import RayActorTransport
 from kvcore import KVCacheConfig, decode, encode
 from workers.bringup import ActorRank, bring_up
@@ -43,6 +43,7 @@ class Controller:
         else:
             self.use_gpu = self.config.use_gpu
         self.config = self.config.for_workers_on(use_gpu=self.use_gpu)
+        check_expert_split(self.model_config, self.config)
         transport, kv_config = await self._start_group()
         self.serving = await start_serving(
             self.config, self.model_config, kv_config, transport, rebuild=self._rebuild

@@ -67,6 +67,7 @@ def plan_report(config: EngineConfig, model_config, layouts: list[str] | None = 
         )
     lines.extend(state_caching_lines(config, kv))
     lines.extend(latent_lines(model_config, specs, kv, tp, options))
+    lines.extend(expert_lines(model_config, tp, config.enable_expert_parallel))
     lines.append("strides per layout (layer_stride, block_stride, offset) of each tensor:")
     for layout in layouts or [layout.name for layout in KVCacheLayout]:
         try:
@@ -146,3 +147,34 @@ def latent_lines(
         f"({full_bytes / latent_bytes:.1f}x the latent); the same memory would fit "
         f"{full_kv.capacity_tokens} tokens instead of {kv.capacity_tokens}",
     ]
+
+
+def expert_lines(model_config: ModelConfig, tp: int, expert_parallel: bool) -> list[str]:
+    """A MoE model's experts and what each rank holds of them (refused here, before any
+    worker starts, when they cannot be split so)."""
+    moe = model_config.moe
+    if moe is None:
+        return []
+    shared = (
+        f", a shared expert of {moe.shared_expert_intermediate_size} rows"
+        if moe.shared_expert_intermediate_size
+        else ""
+    )
+    lines = [
+        f"experts: {len(moe.layers)} MoE layers of {moe.num_experts} experts "
+        f"({moe.intermediate_size} rows each), top {moe.top_k}{shared}; "
+        + (
+            "whole experts per rank (expert parallel)"
+            if expert_parallel
+            else "every expert split over the ranks"
+        )
+    ]
+    for rank in range(tp):
+        shard = moe.placement(tp, rank, expert_parallel)
+        end = shard.intermediate_start + shard.intermediate_size
+        lines.append(
+            f"  rank {rank}: experts [{shard.first_expert}, "
+            f"{shard.first_expert + shard.num_experts}), rows [{shard.intermediate_start}, {end}) "
+            "of each"
+        )
+    return lines

@@ -70,3 +70,13 @@ def plan_kv_cache(
         len(plan.kv_cache_groups),
     )
     return plan
+
+
+def check_expert_split(model_config: ModelConfig, config: EngineConfig) -> None:
+    """A MoE model's experts must split over the TP group the way it is asked to (whole
+    experts with --enable-expert-parallel, else every expert's rows): refused here, by name,
+    before any worker is placed."""
+    if model_config.moe is not None:
+        tp = config.tensor_parallel_size
+        for rank in range(tp):
+            model_config.moe.placement(tp, rank, config.enable_expert_parallel)

@@ -1,6 +1,7 @@
 """Bringing a worker group up, the one way every caller does it (the controller's actors, the
-in-process engine, the benchmarks and the tests): join the TP group, load the weights, report
-each rank's KV specs, plan the cache from every report, allocate it on every rank.
+in-process engine, the benchmarks and the tests): join the TP group, load the weights, check
+that the ranks' experts (MoE models) add up, report each rank's KV specs, plan the cache from
+every report, allocate it on every rank.
 
 A rank is anything with the worker's methods behind ``call``: a ``Worker`` in this process
 (``LocalRank``) or a Ray actor hosting one (``ActorRank``), so the sequence is written once.
@@ -13,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kvcore import KVCacheConfig, RankReport, decode, encode
+from workers.expert_placement import ExpertReport, check_expert_placements
 
 Plan = Callable[[list[RankReport]], KVCacheConfig]
 
@@ -50,6 +52,8 @@ async def bring_up(
         init_method = await ranks[0].call("rendezvous_address")
     await _on_all(ranks, "init_tp_group", init_method)
     await _on_all(ranks, "load_model")
+    experts = [decode(reply, ExpertReport) for reply in await _on_all(ranks, "report_shards")]
+    check_expert_placements(experts)
     reports = [decode(reply, RankReport) for reply in await _on_all(ranks, "report_specs")]
     kv_config = plan(reports)
     await _on_all(ranks, "allocate_kv_cache", encode(kv_config))

@@ -89,10 +89,15 @@ def load_named_tensors(model: nn.Module, entries) -> None:
     tied = getattr(model.config, "tie_word_embeddings", False)
     # A family whose checkpoint names differ from its parameters' says how to map them.
     rename = getattr(model, "checkpoint_name", None)
+    # ... or, for tensors it loads in parts (experts), which parameter and part.
+    special = getattr(model, "checkpoint_target", None)
     for name, tensor in entries:
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue  # derived buffers, and a head that is the embedding
-        param_name, shard_id = _target(model, name if rename is None else rename(name))
+        target = None if special is None else special(name)
+        if target is None:
+            target = _target(model, name if rename is None else rename(name))
+        param_name, shard_id = target
         param = params.get(param_name)
         if param is None:
             raise CheckpointError(
@@ -123,8 +128,14 @@ def _check_complete(model, params, loaded: set[str], tied: bool) -> None:
     shards_by_param: dict[str, list[object]] = {}
     for ours, shard in model.packed_modules.values():
         shards_by_param.setdefault(ours, []).append(shard)
-    for name in params:
+    for name, param in params.items():
         if tied and name == "lm_head.weight":
+            continue
+        expected = getattr(param, "expected_shards", None)
+        if expected is not None:  # loaded whole, or every part of it
+            missing = [s for s in expected if f"{name}#{s}" not in loaded]
+            if name not in loaded and missing:
+                raise CheckpointError(f"Missing tensor for {name!r} (part {missing[0]}).")
             continue
         leaf = name.split(".")[-2] if "." in name else name
         shards = shards_by_param.get(leaf)

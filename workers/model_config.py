@@ -97,6 +97,52 @@ class MLAConfig(msgspec.Struct, frozen=True, kw_only=True):
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
+class MoEConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The mixture-of-experts MLP of a sparse model's MoE layers (Mixtral, Qwen2-MoE,
+    Qwen3-MoE): a router scores ``num_experts`` experts per token, the ``top_k`` best run,
+    and their outputs are summed by the router's weights."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's gate/up width
+    norm_topk_prob: bool  # renormalise the top-k weights to sum to 1
+    layers: tuple[int, ...]  # which decoder layers are MoE (the others keep a dense MLP)
+    # Qwen2-MoE: one shared expert every token runs, scaled by sigmoid(shared_expert_gate).
+    shared_expert_intermediate_size: int = 0
+
+    def placement(self, tp_size: int, rank: int, expert_parallel: bool) -> ExpertShard:
+        """Which experts, and which slice of each, ``rank`` holds: with expert parallelism
+        whole experts (``num_experts / tp_size`` each), else a ``1 / tp_size`` slice of every
+        expert's intermediate dimension. Refused by name when it cannot be split so."""
+        if expert_parallel:
+            if self.num_experts % tp_size:
+                raise UnsupportedModelError(
+                    f"--enable-expert-parallel needs num_experts={self.num_experts} divisible "
+                    f"by tensor parallel size {tp_size}; choose a size that divides it, or "
+                    "split every expert across the ranks (without the flag)."
+                )
+            per_rank = self.num_experts // tp_size
+            return ExpertShard(rank * per_rank, per_rank, 0, self.intermediate_size)
+        if self.intermediate_size % tp_size:
+            raise UnsupportedModelError(
+                f"moe_intermediate_size={self.intermediate_size} is not divisible by tensor "
+                f"parallel size {tp_size}; choose a size that divides it"
+                + (", or --enable-expert-parallel." if self.num_experts % tp_size == 0 else ".")
+            )
+        per_rank = self.intermediate_size // tp_size
+        return ExpertShard(0, self.num_experts, rank * per_rank, per_rank)
+
+
+class ExpertShard(msgspec.Struct, frozen=True, array_like=True):
+    """What one rank holds of one MoE layer's experts: experts [first, first + count), and
+    of each, intermediate rows [start, start + size)."""
+
+    first_expert: int
+    num_experts: int
+    intermediate_start: int
+    intermediate_size: int
+
+
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     architecture: str
     vocab_size: int
@@ -123,6 +169,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     layer_types: tuple[str, ...] = ()
     mamba: MambaConfig | None = None  # hybrids only
     mla: MLAConfig | None = None  # DeepSeek-V2/V3: every attention layer is "mla_attention"
+    moe: MoEConfig | None = None  # sparse models: which layers route tokens to experts
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -133,6 +180,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def is_sliding(self, layer_index: int) -> bool:
         return self.layer_types[layer_index] == "sliding_attention"
+
+    def is_moe(self, layer_index: int) -> bool:
+        return self.moe is not None and layer_index in self.moe.layers
 
 
 def common_fields(raw: dict[str, Any], generation: dict[str, Any]) -> dict[str, Any]:

@@ -75,6 +75,13 @@ class RankSettings(msgspec.Struct, frozen=True, kw_only=True):
     enable_prefix_caching: Annotated[
         bool, setting("reuse the KV cache of shared prompt prefixes")
     ] = True
+    enable_expert_parallel: Annotated[
+        bool,
+        setting(
+            "MoE models: each TP rank holds whole experts (num_experts / TP of them) instead "
+            "of a slice of every expert"
+        ),
+    ] = False
     # Hybrids keep a Mamba state for the prefix cache every this many tokens: small enough
     # that short shared prefixes (a system prompt) hit; each kept state costs one state page
     # per layer.
@@ -108,6 +115,10 @@ class RankSettings(msgspec.Struct, frozen=True, kw_only=True):
     def backend_on(self, use_gpu: bool) -> str:
         """The attention backend: the one asked for, else triton on GPUs and torch on CPUs."""
         return self.attention_backend or ("triton" if use_gpu else "torch")
+
+    def group_layout(self) -> dict[str, bool]:
+        """How the TP group splits the model beyond its heads (``workers.parallel``)."""
+        return {"expert_parallel": self.enable_expert_parallel}
 
     def state_caching(self) -> StateCaching | None:
         """How Mamba layers keep states for the prefix cache (None: caching is off)."""

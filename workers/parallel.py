@@ -18,6 +18,8 @@ import torch.distributed as dist
 class TPGroup:
     rank: int = 0
     world_size: int = 1
+    # MoE layers: each rank holds whole experts (True) or a slice of every expert (False).
+    expert_parallel: bool = False
 
     @property
     def is_first_rank(self) -> bool:
@@ -39,14 +41,21 @@ def pick_rendezvous(host: str = "127.0.0.1") -> str:
     return f"tcp://{host}:{port}"
 
 
-def init_tp_group(rank: int, world_size: int, init_method: str | None, *, backend: str):
+def init_tp_group(
+    rank: int,
+    world_size: int,
+    init_method: str | None,
+    *,
+    backend: str,
+    expert_parallel: bool = False,
+):
     """Join the TP group over ``backend`` ("nccl" between GPUs, "gloo" between CPUs)."""
     global _group
     if world_size > 1:
         if init_method is None:
             raise ValueError("A tensor-parallel group of more than one rank needs an init_method")
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
-    _group = TPGroup(rank=rank, world_size=world_size)
+    _group = TPGroup(rank=rank, world_size=world_size, expert_parallel=expert_parallel)
     return _group
 
 

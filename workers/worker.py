@@ -33,6 +33,7 @@ from workers.parallel import destroy_tp_group, get_tp_group, init_tp_group
 from workers.profiling import run_profile_step
 from workers.protocol import StepPlan
 from workers.runner import ModelRunner
+from workers.shard_report import shard_report
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class Worker:
             self.options.tensor_parallel_size,
             init_method,
             backend=distributed_backend(self.device),
+            **self.options.group_layout(),
         )
         return self.rank
 
@@ -87,6 +89,11 @@ class Worker:
             pack_linear_weights(model)
         self.model = model.eval()
         logger.info("rank %d loaded the model in %.1f s", self.rank, time.perf_counter() - started)
+
+    def report_shards(self) -> bytes:
+        """What this rank holds of the model's split modules beyond its KV geometry (which
+        ``report_specs`` tells), for the startup check that the ranks add up to the model."""
+        return encode(shard_report(self.model))
 
     def kv_cache_dtype(self) -> str:
         return self.options.dtype or self.model_config.dtype

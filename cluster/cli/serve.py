@@ -22,8 +22,11 @@ def add_parser(commands, common) -> None:
 def run(args) -> int:
     import ray
 
+    from cluster.startup import check_expert_split
+
     config = engine_config(args)
-    model_config_for(config.model)  # a missing or unsupported model fails before Ray starts
+    # A missing or unsupported model, or one that cannot be split so, fails before Ray starts.
+    check_expert_split(model_config_for(config.model), config)
     ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=True)
     server = _Replicas(config) if config.uses_replicas else _Controller(config)
     print(server.serving_line(), flush=True)

@@ -22,7 +22,7 @@ from cluster.engine import EngineState
 from cluster.placement import start_worker_actors
 from cluster.serve.routing import BOUNDARY, PREFIX, short_hash
 from cluster.server_info import occupancy
-from cluster.startup import plan_kv_cache
+from cluster.startup import check_expert_split, plan_kv_cache
 from cluster.transport import RayActorTransport
 from kvcore import FullAttentionSpec, decode, encode
 from kvcore.hashing import split_group_key
@@ -37,6 +37,7 @@ class EngineReplica:
         config = decode(config_bytes, EngineConfig)  # use_gpu resolved by the application
         self.config = config.for_workers_on(use_gpu=bool(config.use_gpu))
         self.model_config = model_config_for(config.model)
+        check_expert_split(self.model_config, self.config)
         self.workers = start_worker_actors(
             self.config, get_current_placement_group(), bool(config.use_gpu),
             self.config.cpus_per_worker or 1,

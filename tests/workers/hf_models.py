@@ -49,7 +49,39 @@ def build_config(family: str):
             sliding_window=8,
             layer_types=["full_attention", "sliding_attention"] * 2,
         )
+    if family in SPARSE:
+        return SPARSE[family]()
     raise ValueError(family)
+
+
+def _mixtral():
+    from transformers import MixtralConfig
+
+    dense = {k: v for k, v in COMMON.items() if k != "intermediate_size"}
+    return MixtralConfig(**dense, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+
+
+def _qwen2_moe():
+    from transformers import Qwen2MoeConfig
+
+    # Layers 1 and 3 are MoE (decoder_sparse_step 2), with the gated shared expert.
+    return Qwen2MoeConfig(
+        **COMMON, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+        decoder_sparse_step=2, shared_expert_intermediate_size=64, norm_topk_prob=False,
+    )  # fmt: skip
+
+
+def _qwen3_moe():
+    from transformers import Qwen3MoeConfig
+
+    # Layer 1 keeps a dense MLP (mlp_only_layers); three of eight experts per token.
+    return Qwen3MoeConfig(
+        **COMMON, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=3,
+        mlp_only_layers=[1], norm_topk_prob=True,
+    )  # fmt: skip
+
+
+SPARSE = {"mixtral": _mixtral, "qwen2-moe": _qwen2_moe, "qwen3-moe": _qwen3_moe}
 
 
 def save_model(family: str, directory: Path, *, max_shard_size: str | None = None) -> Path:
@@ -67,6 +99,9 @@ def reference_generations(model_dir: Path, prompts=PROMPTS, num_tokens=NUM_OUTPU
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    # Plain greedy, as the workers decode: with an EOS id, min_new_tokens would mask that
+    # token's logit until the end (the random models' EOS, 2, is sometimes the best token).
+    model.generation_config.eos_token_id = None
     outputs = []
     with torch.inference_mode():
         for prompt in prompts:

@@ -42,7 +42,7 @@ def test_the_worker_sets_its_indexed_device_before_joining_its_group(fake_cuda, 
     joined = []
     monkeypatch.setattr(
         "workers.worker.init_tp_group",
-        lambda rank, world_size, init_method, *, backend: joined.append(backend),
+        lambda rank, world_size, init_method, *, backend, **_: joined.append(backend),
     )
     worker = Worker(0, WorkerOptions(device="cuda"))
     assert worker.device == torch.device("cuda", 0)

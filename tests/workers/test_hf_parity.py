@@ -66,6 +66,13 @@ CASES = [
     ("llama", "torch", "BLNHC", 2, 6),
     ("qwen3-sliding", "torch", "LBNHC", 2, 7),
     ("qwen3-sliding", "triton", "BLHNC", 2, 7),
+    # Mixture-of-experts: experts split by their intermediate dimension at TP 2.
+    ("mixtral", "torch", "LBHNC", 1, 7),
+    ("qwen2-moe", "torch", "BLHNC", 1, 5),
+    ("qwen3-moe", "torch", "LBNHC", 1, 64),
+    ("mixtral", "torch", "BLNHC", 2, 6),
+    ("qwen2-moe", "torch", "LHBNC", 2, 7),
+    ("qwen3-moe", "torch", "BHLNC", 2, 9),
 ]
 
 

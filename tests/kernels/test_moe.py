@@ -1,0 +1,143 @@
+"""The mixture-of-experts kernels against a float64 oracle (each token's chosen experts run one
+by one in float64 and summed by their router weights): the torch reference and the Triton fused
+kernel, over uneven shapes (hidden and intermediate sizes off the kernel's tiles, one token and
+many, experts left with no token); expert parallelism's ids of experts held elsewhere add
+nothing; the ranks' partial sums (slices of every expert, or whole experts) add up to the
+whole. New buffers start as NaN, so a row the kernel leaves unwritten fails. Router ties go
+where transformers sends them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.moe.reference import grouped_experts, select_experts
+from kernels.moe.triton_moe import align_by_expert, fused_experts
+from tests.kernels.cases import DEVICE, DTYPES, TOLERANCES
+
+
+@pytest.fixture(autouse=True)
+def poison_new_buffers(monkeypatch):
+    """Every float tensor made with ``torch.empty`` (the kernel's intermediate rows) starts
+    as NaN."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def oracle(hidden, w13, w2, weights, ids) -> torch.Tensor:
+    """Each token's experts one by one, in float64; ids past the experts add nothing."""
+    hidden, w13, w2, weights = (t.double() for t in (hidden, w13, w2, weights))
+    out = torch.zeros_like(hidden)
+    inter = w2.shape[2]
+    for t in range(hidden.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if e >= w13.shape[0]:
+                continue
+            gate, up = w13[e, :inter] @ hidden[t], w13[e, inter:] @ hidden[t]
+            out[t] += weights[t, j] * (w2[e] @ (F.silu(gate) * up))
+    return out
+
+
+def problem(num_tokens, num_experts, top_k, hidden, inter, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype).to(DEVICE)
+
+    x = rand(num_tokens, hidden)
+    w13, w2 = rand(num_experts, 2 * inter, hidden) * 0.2, rand(num_experts, hidden, inter) * 0.2
+    logits = rand(num_tokens, num_experts)
+    weights, ids = select_experts(logits, top_k, renormalize=True)
+    return x, w13, w2, weights, ids
+
+
+def relative(a, b) -> float:
+    return float((a.double() - b).norm() / b.norm().clamp_min(1e-30))
+
+
+SHAPES = [
+    # tokens, experts, top_k, hidden, intermediate
+    (1, 4, 2, 48, 40),
+    (37, 5, 2, 48, 40),
+    (64, 8, 3, 96, 72),
+    (3, 16, 2, 32, 16),  # most experts get no token
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_reference_matches_float64(shape):
+    x, w13, w2, weights, ids = problem(*shape, torch.float32)
+    expected = oracle(x, w13, w2, weights, ids)
+    assert relative(grouped_experts(x, w13, w2, weights, ids), expected) < 1e-5
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fused_kernel_matches_float64(shape, dtype_name):
+    x, w13, w2, weights, ids = problem(*shape, DTYPES[dtype_name])
+    expected = oracle(x, w13, w2, weights, ids)
+    assert relative(fused_experts(x, w13, w2, weights, ids), expected) < TOLERANCES[dtype_name]
+
+
+@pytest.mark.parametrize("kernel", [grouped_experts, fused_experts])
+def test_expert_parallel_ranks_add_up_to_the_whole(kernel):
+    """Two ranks with four whole experts each: each sees the global ids shifted to its own,
+    the other rank's as ids past its last; their sums are the whole layer's."""
+    x, w13, w2, weights, ids = problem(29, 8, 2, 48, 40, torch.float32)
+    parts = []
+    for first in (0, 4):
+        local = ids - first
+        local = torch.where((local >= 0) & (local < 4), local, 4)
+        parts.append(kernel(x, w13[first : first + 4], w2[first : first + 4], weights, local))
+    assert relative(parts[0] + parts[1], oracle(x, w13, w2, weights, ids)) < 1e-5
+    assert parts[0].abs().sum() > 0 and parts[1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("kernel", [grouped_experts, fused_experts])
+def test_sliced_experts_add_up_to_the_whole(kernel):
+    """Two ranks each holding half of every expert's intermediate rows."""
+    x, w13, w2, weights, ids = problem(29, 8, 2, 48, 40, torch.float32)
+    gate, up = w13[:, :40], w13[:, 40:]
+    parts = [
+        kernel(x, torch.cat([gate[:, s], up[:, s]], 1), w2[:, :, s], weights, ids)
+        for s in (slice(0, 20), slice(20, 40))
+    ]
+    assert relative(parts[0] + parts[1], oracle(x, w13, w2, weights, ids)) < 1e-5
+
+
+def test_sorted_layout_holds_every_pair_once_in_whole_expert_blocks():
+    ids = torch.tensor([[2, 0], [2, 5], [0, 2], [5, 6]])  # 6: held elsewhere (5 experts here)
+    sorted_pairs, block_expert = align_by_expert(ids, 6, block_m=4)
+    rows = sorted_pairs.view(-1, 4)
+    placed = sorted(int(p) for p in sorted_pairs if p >= 0)
+    assert placed == [0, 1, 2, 3, 4, 5, 6]  # pair 7 (id 6 of 6 experts) is dropped
+    for block, expert in zip(rows, block_expert.tolist(), strict=True):
+        pairs = [int(p) for p in block if p >= 0]
+        if expert < 0:
+            assert not pairs
+        assert all(int(ids.view(-1)[p]) == expert for p in pairs)
+    # Shapes follow from the pair and expert counts alone, not the routing.
+    other = align_by_expert(torch.zeros_like(ids), 6, block_m=4)
+    assert other[0].shape == sorted_pairs.shape and other[1].shape == block_expert.shape
+
+
+def test_router_ties_go_where_transformers_sends_them():
+    """Experts 1 and 3 (and 0 and 2) have the same router rows: every token's scores tie."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+    config = MixtralConfig(hidden_size=8, num_local_experts=4, num_experts_per_tok=2)
+    router = MixtralTopKRouter(config)
+    rows = torch.randn(2, 8)
+    router.weight.data = torch.stack([rows[0], rows[1], rows[0], rows[1]])
+    x = torch.randn(10, 8)
+    _, hf_weights, hf_ids = router(x)
+    weights, ids = select_experts(F.linear(x, router.weight), 2, renormalize=True)
+    assert torch.equal(ids, hf_ids) and torch.equal(weights, hf_weights)
