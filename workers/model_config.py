@@ -13,6 +13,7 @@ import msgspec
 from kvcore.dtypes import MODEL_DTYPES
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
+ROUTING_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
 class UnsupportedModelError(ValueError):
@@ -107,8 +108,19 @@ class MoEConfig(msgspec.Struct, frozen=True, kw_only=True):
     intermediate_size: int  # each expert's gate/up width
     norm_topk_prob: bool  # renormalise the top-k weights to sum to 1
     layers: tuple[int, ...]  # which decoder layers are MoE (the others keep a dense MLP)
-    # Qwen2-MoE: one shared expert every token runs, scaled by sigmoid(shared_expert_gate).
+    # Shared experts every token runs, this many rows in all (0: none): Qwen2-MoE's one,
+    # scaled by sigmoid(shared_expert_gate) (gated); DeepSeek's, added as they are.
     shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = True
+    # How the router picks (ROUTING_METHODS): softmax top-k ("greedy"); DeepSeek-V2's
+    # "group_limited_greedy" (the best top_group of n_group expert groups, by their best
+    # score); DeepSeek-V3's "noaux_tc" (sigmoid scores plus a learned per-expert bias choose,
+    # groups ranked by their two best). The chosen weights are scaled by
+    # routed_scaling_factor; DeepSeek's router runs in float32.
+    routing: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def placement(self, tp_size: int, rank: int, expert_parallel: bool) -> ExpertShard:
         """Which experts, and which slice of each, ``rank`` holds: with expert parallelism

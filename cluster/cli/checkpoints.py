@@ -1,4 +1,4 @@
-"""``kvray make-checkpoint hybrid|deepseek DIR``: the random-weight checkpoints the benchmarks
+"""``kvray make-checkpoint hybrid|deepseek|moe DIR``: the random-weight checkpoints the benchmarks
 and tests load (``cluster.fixtures``), written by transformers (which they need)."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from pathlib import Path
 
 from cluster.fixtures.deepseek_checkpoint import DEFAULT_LAYERS, DEFAULT_Q_LORA_RANK
 from cluster.fixtures.hybrid_checkpoint import DEFAULT_PATTERN
+from cluster.fixtures.moe_checkpoint import DEFAULT_EXPERTS, DEFAULT_TOP_K
 
 
 def add_parser(commands, common) -> None:
@@ -45,6 +46,18 @@ def add_parser(commands, common) -> None:
         help=f"the query's low-rank width; 0 for a plain q_proj (default {DEFAULT_Q_LORA_RANK})",
     )
     deepseek.add_argument("--seed", type=int, default=0)
+    moe = kinds.add_parser(
+        "moe",
+        parents=[common],
+        help="a ~19M-parameter Qwen3-MoE (mixture of experts), the sibling of embedded:20m",
+    )
+    moe.add_argument("output_dir", help="a new or empty directory")
+    moe.add_argument("--experts", type=int, default=DEFAULT_EXPERTS,
+                     help=f"experts per layer (default {DEFAULT_EXPERTS})")  # fmt: skip
+    moe.add_argument("--top-k", type=int, default=DEFAULT_TOP_K,
+                     help=f"experts each token runs (default {DEFAULT_TOP_K})")  # fmt: skip
+    moe.add_argument("--layers", type=int, default=6, help="decoder layers (default 6)")
+    moe.add_argument("--seed", type=int, default=0)
 
 
 def run(args) -> int:
@@ -56,6 +69,16 @@ def run(args) -> int:
 
         num_params = save_hybrid_checkpoint(directory, args.pattern, args.seed)
         what = f"NemotronH checkpoint, layers {args.pattern}"
+    elif args.kind == "moe":
+        from cluster.fixtures.moe_checkpoint import save_moe_checkpoint
+
+        num_params = save_moe_checkpoint(
+            directory, args.experts, args.top_k, args.layers, args.seed
+        )
+        what = (
+            f"Qwen3-MoE checkpoint, {args.layers} layers of {args.experts} experts, "
+            f"{args.top_k} per token"
+        )
     else:
         from cluster.fixtures.deepseek_checkpoint import save_deepseek_checkpoint
 

@@ -22,6 +22,50 @@ def select_experts(
     return weights.to(router_logits.dtype), ids
 
 
+def group_limited_top_k(
+    router_logits: torch.Tensor, top_k: int, num_groups: int, top_groups: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2's ``group_limited_greedy``: softmax scores; the experts split into
+    ``num_groups`` equal groups, each ranked by its best score; the ``top_k`` best experts of
+    the ``top_groups`` best groups, weighted by their scores (float32)."""
+    scores = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    grouped = scores.view(scores.shape[0], num_groups, -1)
+    chosen = _group_mask(grouped.max(dim=-1).values, top_groups, grouped.shape[-1])
+    weights, ids = torch.topk(scores.masked_fill(~chosen, 0.0), top_k, dim=-1, sorted=False)
+    return weights, ids
+
+
+def biased_group_top_k(
+    router_logits: torch.Tensor,
+    score_bias: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    top_groups: int,
+    *,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's ``noaux_tc``: sigmoid scores; the choice is made on scores plus
+    ``score_bias``, groups ranked by the sum of their two best, the ``top_k`` best experts of
+    the ``top_groups`` best groups; the weights are the chosen experts' unbiased scores
+    (renormalised to sum to 1 when asked; float32)."""
+    scores = router_logits.float().sigmoid()
+    for_choice = scores + score_bias.float()
+    grouped = for_choice.view(scores.shape[0], num_groups, -1)
+    chosen = _group_mask(grouped.topk(2, dim=-1)[0].sum(dim=-1), top_groups, grouped.shape[-1])
+    ids = torch.topk(for_choice.masked_fill(~chosen, float("-inf")), top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights, ids
+
+
+def _group_mask(group_scores: torch.Tensor, top_groups: int, group_size: int) -> torch.Tensor:
+    """[T, E] True for the experts of each token's ``top_groups`` best groups."""
+    best = torch.topk(group_scores, top_groups, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return mask.repeat_interleave(group_size, dim=-1)
+
+
 def grouped_experts(
     hidden: torch.Tensor,
     w13: torch.Tensor,

@@ -141,3 +141,33 @@ def test_router_ties_go_where_transformers_sends_them():
     _, hf_weights, hf_ids = router(x)
     weights, ids = select_experts(F.linear(x, router.weight), 2, renormalize=True)
     assert torch.equal(ids, hf_ids) and torch.equal(weights, hf_weights)
+
+
+def test_deepseek_routers_choose_and_weigh_as_transformers_does():
+    """V2's group-limited softmax and V3's biased sigmoid over expert groups, with a learned
+    score bias that changes the choice but not the weights."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from kernels.moe.reference import biased_group_top_k, group_limited_top_k
+
+    common = dict(hidden_size=16, num_attention_heads=4, n_routed_experts=16,
+                  num_experts_per_tok=3, n_group=4, topk_group=2,
+                  routed_scaling_factor=2.5)  # fmt: skip
+    x = torch.randn(33, 16)
+    v3 = DeepseekV3TopkRouter(DeepseekV3Config(**common, norm_topk_prob=True))
+    v3.weight.data.normal_()
+    v3.e_score_correction_bias.normal_(std=0.3)
+    _, hf_weights, hf_ids = v3(x)
+    logits = F.linear(x, v3.weight)
+    weights, ids = biased_group_top_k(logits, v3.e_score_correction_bias, 3, 4, 2, renormalize=True)
+    assert torch.equal(ids, hf_ids) and torch.allclose(weights * 2.5, hf_weights)
+    unbiased = biased_group_top_k(logits, torch.zeros(16), 3, 4, 2, renormalize=True)[1]
+    assert not torch.equal(unbiased.sort().values, ids.sort().values)  # the bias mattered
+
+    v2 = DeepseekV2TopkRouter(DeepseekV2Config(**common, topk_method="group_limited_greedy"))
+    v2.weight.data.normal_()
+    _, hf_weights, hf_ids = v2(x)
+    weights, ids = group_limited_top_k(F.linear(x, v2.weight), 3, 4, 2)
+    assert torch.equal(ids, hf_ids) and torch.allclose(weights * 2.5, hf_weights)

@@ -190,3 +190,31 @@ def save_deepseek(
     config = DEEPSEEK_V3 | overrides | {"q_lora_rank": q_lora_rank}
     save_random_checkpoint(directory, f"DeepseekV{version}", config, seed=0)
     return directory
+
+
+# A tiny DeepSeek MoE: layer 0 dense, layers 1-2 MoE (8 routed experts in 4 groups, 2 chosen
+# from the best 2 groups, two shared experts).
+DEEPSEEK_MOE = dict(
+    num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+    moe_intermediate_size=32, n_shared_experts=2, n_group=4, topk_group=2,
+    routed_scaling_factor=2.5,
+)  # fmt: skip
+
+
+def save_deepseek_moe(directory: Path, *, version: int = 3, **overrides) -> Path:
+    """A tiny DeepSeek-V3 (sigmoid routing with a score bias, drawn here: transformers starts
+    it at zero) or V2 (softmax routing, ``topk_method`` as given) MoE, saved in fp32."""
+    import transformers
+
+    config = DEEPSEEK_V3 | DEEPSEEK_MOE | {"q_lora_rank": 24} | overrides
+    family = f"DeepseekV{version}"
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{family}ForCausalLM")(
+        getattr(transformers, f"{family}Config")(**config)
+    ).eval()
+    for layer in model.model.layers:
+        router = getattr(layer.mlp, "gate", None)  # a dense layer's gate is gate_proj
+        if hasattr(router, "e_score_correction_bias"):
+            router.e_score_correction_bias.normal_(std=0.2)
+    model.save_pretrained(directory)
+    return directory

@@ -1,6 +1,7 @@
-"""DeepSeek-V2/V3 configs: what is read, what is refused by name (MoE layers, unknown RoPE
-scalings, other activations), the yarn softmax-scale correction, and the startup handshake of
-the latent cache (whole on every rank)."""
+"""DeepSeek-V2/V3 configs: what is read (the latent geometry; which layers are MoE, and how
+each architecture routes), what is refused by name (unknown routing, unknown RoPE scalings,
+other activations), the yarn softmax-scale correction, and the startup handshake of the latent
+cache (whole on every rank)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,35 @@ RAW = {
     "v_head_dim": 12,
 }
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+MOE = RAW | {
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "n_shared_experts": 2,
+    "n_group": 4,
+    "topk_group": 2,
+    "routed_scaling_factor": 2.5,
+}
+
+
+def test_moe_layers_and_each_architectures_routing():
+    v3 = parse_hf_config(MOE).moe
+    assert v3.layers == (1,) and (v3.num_experts, v3.top_k, v3.intermediate_size) == (8, 2, 32)
+    assert (v3.routing, v3.n_group, v3.topk_group, v3.norm_topk_prob) == ("noaux_tc", 4, 2, True)
+    assert v3.shared_expert_intermediate_size == 64 and not v3.shared_expert_gated
+    assert v3.routed_scaling_factor == 2.5
+    v2 = parse_hf_config(MOE | {"architectures": ["DeepseekV2ForCausalLM"]}).moe
+    assert (v2.routing, v2.n_group, v2.norm_topk_prob) == ("greedy", 1, False)
+    limited = MOE | {"architectures": ["DeepseekV2ForCausalLM"]}
+    limited |= {"topk_method": "group_limited_greedy"}
+    assert parse_hf_config(limited).moe.routing == "group_limited_greedy"
+    # V3 keeps 3 layers dense by default, V2 none.
+    deep = {k: v for k, v in MOE.items() if k != "first_k_dense_replace"}
+    assert parse_hf_config(deep | {"num_hidden_layers": 5}).moe.layers == (3, 4)
+    v2_layers = parse_hf_config(deep | {"architectures": ["DeepseekV2ForCausalLM"]}).moe.layers
+    assert v2_layers == (0, 1)
+    assert parse_hf_config(RAW).moe is None  # first_k_dense_replace = num_hidden_layers
 
 
 def test_a_dense_v3_config_reads_its_latent_geometry():
@@ -63,17 +93,16 @@ def test_v2_rotates_interleaved_pairs_whatever_rope_interleave_says():
     ("raw", "message"),
     [
         (
-            RAW | {"first_k_dense_replace": 1},
-            r"Layers 1\.\.1 of this DeepseekV3ForCausalLM are mixture-of-experts \(MoE\) "
-            r"layers \(first_k_dense_replace=1 < num_hidden_layers=2\)",
+            MOE | {"topk_method": "group_limited_greedy"},
+            r"Unsupported topk_method 'group_limited_greedy' for DeepseekV3ForCausalLM; "
+            r"supported: noaux_tc",
         ),
-        # V3 keeps 3 layers dense by default, V2 none: both default to MoE past them.
-        (RAW | {"num_hidden_layers": 4, "first_k_dense_replace": None}, r"Layers 3\.\.3"),
         (
-            {k: v for k, v in RAW.items() if k != "first_k_dense_replace"}
-            | {"architectures": ["DeepseekV2ForCausalLM"]},
-            r"Layers 0\.\.1 .* MoE",
+            MOE | {"architectures": ["DeepseekV2ForCausalLM"], "scoring_func": "sigmoid"},
+            r"Unsupported scoring_func 'sigmoid' for DeepseekV2ForCausalLM; supported: softmax",
         ),
+        (MOE | {"n_group": 3}, r"n_group=3 must divide n_routed_experts=8"),
+        (MOE | {"moe_layer_freq": 2}, r"moe_layer_freq=2 is not supported"),
         (
             RAW | {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}},
             r"Unsupported RoPE type 'longrope'\. Supported RoPE types: default, llama3, yarn",

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.moe import run_experts, select_experts
+from kernels.moe.reference import biased_group_top_k, group_limited_top_k
 from workers.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from workers.model_config import ExpertShard, MoEConfig
 from workers.parallel import all_reduce, get_tp_group
@@ -109,29 +110,68 @@ class SharedExpert(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-class SparseMoE(nn.Module):
-    """Router, experts and (Qwen2-MoE) the shared expert of one MoE layer."""
+class Router(nn.Module):
+    """Scores every expert for each token (every rank, whole) and picks its ``top_k`` by the
+    model's routing method; returns ([T, k] weights, [T, k] expert ids)."""
 
     def __init__(self, hidden_size: int, moe: MoEConfig, dtype: torch.dtype):
         super().__init__()
         self.moe = moe
-        self.gate = ReplicatedLinear(hidden_size, moe.num_experts, bias=False, dtype=dtype)
-        self.experts = Experts(moe, hidden_size, dtype)
-        self.shared_expert = self.shared_expert_gate = None
-        if moe.shared_expert_intermediate_size:
-            self.shared_expert = SharedExpert(
-                hidden_size, moe.shared_expert_intermediate_size, dtype
+        self.weight = _param((moe.num_experts, hidden_size), dtype, _copy)
+        # DeepSeek-V3 chooses on scores plus this learned bias (float32, as published).
+        self.e_score_correction_bias = None
+        if moe.routing == "noaux_tc":
+            self.e_score_correction_bias = _param((moe.num_experts,), torch.float32, _copy)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        moe = self.moe
+        if moe.routing == "greedy" and moe.routed_scaling_factor == 1.0:
+            return select_experts(
+                F.linear(x, self.weight), moe.top_k, renormalize=moe.norm_topk_prob
             )
+        logits = F.linear(x.float(), self.weight.float())  # DeepSeek routes in float32
+        if moe.routing == "noaux_tc":
+            weights, ids = biased_group_top_k(
+                logits, self.e_score_correction_bias, moe.top_k, moe.n_group, moe.topk_group,
+                renormalize=moe.norm_topk_prob,
+            )  # fmt: skip
+        elif moe.routing == "group_limited_greedy":
+            weights, ids = group_limited_top_k(logits, moe.top_k, moe.n_group, moe.topk_group)
+        else:
+            weights, ids = torch.topk(logits.softmax(dim=-1), moe.top_k, dim=-1, sorted=False)
+        return weights * moe.routed_scaling_factor, ids
+
+
+class SparseMoE(nn.Module):
+    """Router, experts and shared experts of one MoE layer; the attribute names are the
+    checkpoints' (Qwen2-MoE's ``shared_expert`` and ``shared_expert_gate``, DeepSeek's
+    ``shared_experts``)."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, dtype: torch.dtype):
+        super().__init__()
+        self.gate = Router(hidden_size, moe, dtype)
+        self.experts = Experts(moe, hidden_size, dtype)
+        shared = moe.shared_expert_intermediate_size
+        self.shared_expert = self.shared_expert_gate = self.shared_experts = None
+        if shared and moe.shared_expert_gated:
+            self.shared_expert = SharedExpert(hidden_size, shared, dtype)
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, bias=False, dtype=dtype)
+        elif shared:
+            self.shared_experts = SharedExpert(hidden_size, shared, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(
-            self.gate(x), self.moe.top_k, renormalize=self.moe.norm_topk_prob
-        )
+        weights, ids = self.gate(x)
         out = all_reduce(self.experts(x, weights, ids))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared_experts is not None:
+            out = out + self.shared_experts(x)
         return out
+
+
+def _copy(param: nn.Parameter, loaded) -> None:
+    _check(loaded, tuple(param.shape))
+    param.data.copy_(loaded.narrow(0, 0, param.shape[0]))
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter:

@@ -1,9 +1,12 @@
-"""DeepSeek-V2/V3's ``config.json``: multi-head latent attention in every layer, and refusals,
-by name, of what kvray does not serve yet (mixture-of-experts layers, other activations).
+"""DeepSeek-V2/V3's ``config.json``: multi-head latent attention in every layer, dense MLPs
+up to ``first_k_dense_replace`` and mixture-of-experts layers from there (routed experts plus
+ungated shared ones), and refusals, by name, of what kvray does not serve.
 
-The two architectures differ here only in defaults: V3 keeps its first three layers dense and
-rotates interleaved pairs when ``rope_interleave`` says so; V2's RoPE always rotates
-interleaved pairs (its complex-number form) and its layers are MoE from the first."""
+The two architectures differ in defaults and routing: V3 keeps its first three layers dense,
+rotates interleaved pairs when ``rope_interleave`` says so and routes by sigmoid scores with a
+learned bias over expert groups (``noaux_tc``); V2's RoPE always rotates interleaved pairs
+(its complex-number form), its layers are MoE from the first, and it routes by softmax,
+greedily or limited to the best groups."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from typing import Any
 from workers.model_config import (
     MLAConfig,
     ModelConfig,
+    MoEConfig,
     RopeScaling,
     UnsupportedModelError,
     common_fields,
@@ -22,9 +26,16 @@ from workers.model_config import (
 ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # transformers' defaults where the two configs differ, used when config.json leaves a field out.
 DEFAULTS = {
-    "DeepseekV2ForCausalLM": dict(first_k_dense_replace=0, max_position_embeddings=2048),
-    "DeepseekV3ForCausalLM": dict(first_k_dense_replace=3, max_position_embeddings=4096),
-}
+    "DeepseekV2ForCausalLM": dict(
+        first_k_dense_replace=0, max_position_embeddings=2048, n_routed_experts=64,
+        moe_intermediate_size=1407, n_shared_experts=2, routed_scaling_factor=1.0,
+    ),
+    "DeepseekV3ForCausalLM": dict(
+        first_k_dense_replace=3, max_position_embeddings=4096, n_routed_experts=256,
+        moe_intermediate_size=2048, n_shared_experts=1, routed_scaling_factor=2.5,
+        num_experts_per_tok=8, n_group=8, topk_group=4,
+    ),
+}  # fmt: skip
 
 
 def parse_deepseek(raw: dict[str, Any], generation: dict[str, Any]) -> ModelConfig:
@@ -35,7 +46,6 @@ def parse_deepseek(raw: dict[str, Any], generation: dict[str, Any]) -> ModelConf
         raise UnsupportedModelError(
             f"Unsupported hidden_act {raw['hidden_act']!r}; supported: silu"
         )
-    _refuse_moe(raw, num_layers, defaults["first_k_dense_replace"])
     heads = raw.get("num_attention_heads", 128)
     mla = MLAConfig(
         kv_lora_rank=raw.get("kv_lora_rank", 512),
@@ -71,6 +81,9 @@ def parse_deepseek(raw: dict[str, Any], generation: dict[str, Any]) -> ModelConf
         rope_scaling=rope_scaling,
         layer_types=("mla_attention",) * num_layers,
         mla=mla,
+        moe=_moe(
+            defaults | {k: v for k, v in raw.items() if v is not None}, architecture, num_layers
+        ),
     )
 
 
@@ -85,14 +98,64 @@ def mla_softmax_scale(mla: MLAConfig, rope_scaling: RopeScaling | None) -> float
     return scale * mscale * mscale
 
 
-def _refuse_moe(raw: dict[str, Any], num_layers: int, default_first_dense: int) -> None:
-    """Layers from ``first_k_dense_replace`` on are MoE in these architectures."""
-    first_dense = raw.get("first_k_dense_replace")
-    first_dense = default_first_dense if first_dense is None else first_dense
-    if first_dense < num_layers:
+# What each architecture's router can be told to do, as transformers implements it.
+ROUTING = {
+    "DeepseekV2ForCausalLM": {
+        "scoring_func": ("softmax",),
+        "topk_method": ("greedy", "group_limited_greedy"),
+    },
+    "DeepseekV3ForCausalLM": {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)},
+}
+
+
+def _moe(raw: dict[str, Any], architecture: str, num_layers: int) -> MoEConfig | None:
+    """Layers from ``first_k_dense_replace`` on are MoE; None when every layer is dense.
+    ``raw`` is config.json over transformers' defaults for the architecture."""
+    first_dense = raw["first_k_dense_replace"]
+    if first_dense >= num_layers:
+        return None
+    if (raw.get("moe_layer_freq") or 1) != 1:
         raise UnsupportedModelError(
-            f"Layers {first_dense}..{num_layers - 1} of this {raw['architectures'][0]} are "
-            f"mixture-of-experts (MoE) layers (first_k_dense_replace={first_dense} < "
-            f"num_hidden_layers={num_layers}); kvray does not serve MoE layers yet. Dense "
-            "DeepSeek models (first_k_dense_replace >= num_hidden_layers) are served."
+            f"moe_layer_freq={raw['moe_layer_freq']} is not supported: every layer from "
+            "first_k_dense_replace on must be MoE (moe_layer_freq 1, as published)"
         )
+    allowed = ROUTING[architecture]
+    routing = {
+        "scoring_func": raw.get("scoring_func") or allowed["scoring_func"][0],
+        "topk_method": raw.get("topk_method") or allowed["topk_method"][0],
+    }
+    for field, value in routing.items():
+        if value not in allowed[field]:
+            raise UnsupportedModelError(
+                f"Unsupported {field} {value!r} for {architecture}; supported: "
+                f"{', '.join(allowed[field])}"
+            )
+    num_experts = raw.get("num_local_experts") or raw["n_routed_experts"]
+    width = raw["moe_intermediate_size"]
+    n_group, topk_group = raw.get("n_group") or 1, raw.get("topk_group") or 1
+    grouped = routing["topk_method"] != "greedy"
+    if grouped and (num_experts % n_group or not 1 <= topk_group <= n_group):
+        raise UnsupportedModelError(
+            f"n_group={n_group} must divide n_routed_experts={num_experts}, and topk_group="
+            f"{topk_group} be between 1 and n_group"
+        )
+    top_k = raw.get("num_experts_per_tok") or 1
+    if not 1 <= top_k <= num_experts:
+        raise UnsupportedModelError(
+            f"num_experts_per_tok={top_k} must be between 1 and the {num_experts} experts"
+        )
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=width,
+        # transformers' V2 router never renormalises, whatever norm_topk_prob says.
+        norm_topk_prob=architecture == "DeepseekV3ForCausalLM"
+        and bool(raw.get("norm_topk_prob", True)),
+        layers=tuple(range(first_dense, num_layers)),
+        shared_expert_intermediate_size=width * (raw.get("n_shared_experts") or 0),
+        shared_expert_gated=False,
+        routing=routing["topk_method"],
+        n_group=n_group if grouped else 1,
+        topk_group=topk_group if grouped else 1,
+        routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
+    )
