@@ -121,6 +121,14 @@ class MoEConfig(msgspec.Struct, frozen=True, kw_only=True):
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # Each expert (and shared expert): act(gate x) * up x when gated (SiLU: Mixtral, Qwen,
+    # DeepSeek), else act(up x) (NemotronH's relu²).
+    gated: bool = True
+    activation: str = "silu"  # or "relu2"
+    # NemotronH: the experts work in a latent of this width, projected in and out (0: none);
+    # those projections and its shared experts carry biases when its mlp_bias says.
+    latent_size: int = 0
+    mlp_bias: bool = False
 
     def placement(self, tp_size: int, rank: int, expert_parallel: bool) -> ExpertShard:
         """Which experts, and which slice of each, ``rank`` holds: with expert parallelism

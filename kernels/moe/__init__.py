@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.moe.reference import grouped_experts, select_experts
+from kernels.moe.reference import activate, grouped_experts, select_experts
 
 
 def run_experts(
@@ -17,13 +17,17 @@ def run_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    gated: bool = True,
+    activation: str = "silu",
 ) -> torch.Tensor:
     """``grouped_experts``'s result: fused in Triton on a GPU, grouped torch on the CPU."""
+    kind = dict(gated=gated, activation=activation)
     if hidden.is_cuda:
         from kernels.moe.triton_moe import fused_experts
 
-        return fused_experts(hidden, w13, w2, topk_weights, topk_ids)
-    return grouped_experts(hidden, w13, w2, topk_weights, topk_ids)
+        return fused_experts(hidden, w13, w2, topk_weights, topk_ids, **kind)
+    return grouped_experts(hidden, w13, w2, topk_weights, topk_ids, **kind)
 
 
-__all__ = ["grouped_experts", "run_experts", "select_experts"]
+__all__ = ["activate", "grouped_experts", "run_experts", "select_experts"]

@@ -66,17 +66,29 @@ def _group_mask(group_scores: torch.Tensor, top_groups: int, group_size: int) ->
     return mask.repeat_interleave(group_size, dim=-1)
 
 
+ACTIVATIONS = ("silu", "relu2")
+
+
+def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """SiLU, or NemotronH's relu² (``relu(x) ** 2``)."""
+    return F.silu(x) if activation == "silu" else torch.square(F.relu(x))
+
+
 def grouped_experts(
     hidden: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    gated: bool = True,
+    activation: str = "silu",
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t])`` for every token t.
 
-    hidden [T, H]; w13 [E, 2I, H] (each expert's gate rows, then its up rows); w2 [E, H, I];
-    an expert is ``w2 @ (silu(gate x) * up x)``. An id of E or more names an expert held
+    hidden [T, H]; w13 [E, 2I, H] (each expert's gate rows, then its up rows), or [E, I, H]
+    (up rows only) when not ``gated``; w2 [E, H, I]; an expert is ``w2 @ (act(gate x) * up x)``,
+    or ``w2 @ act(up x)``. An id of E or more names an expert held
     elsewhere (expert parallelism): that choice adds nothing here. With I a rank's slice of
     every expert, or E its own experts, the result is that rank's partial sum (the caller
     all-reduces)."""
@@ -95,7 +107,12 @@ def grouped_experts(
         pairs = order[start : start + count]
         start += count
         tokens = pairs // top_k
-        gate, up = F.linear(hidden[tokens], w13[expert]).chunk(2, dim=-1)
-        expert_out = F.linear(F.silu(gate) * up, w2[expert])
+        projected = F.linear(hidden[tokens], w13[expert])
+        if gated:
+            gate, up = projected.chunk(2, dim=-1)
+            inner = activate(gate, activation) * up
+        else:
+            inner = activate(projected, activation)
+        expert_out = F.linear(inner, w2[expert])
         out.index_add_(0, tokens, expert_out * weights[pairs, None])
     return out

@@ -3,7 +3,8 @@ blocks of ``BLOCK_M`` rows of one expert each, then two grouped GEMMs over those
 
 1. ``_gate_up_kernel``, one program per (row block, ``BLOCK_N`` intermediate columns): the
    block's tokens times its expert's gate and up rows, both accumulated in fp32 from the same
-   loads of the tokens, and ``silu(gate) * up`` stored to the intermediate buffer.
+   loads of the tokens, and ``act(gate) * up`` stored to the intermediate buffer (``act(up)``
+   for ungated experts, which have up rows only; act is SiLU or relu²).
 2. ``_down_kernel``, one program per (row block, ``BLOCK_N`` hidden columns): the intermediate
    rows times the expert's down projection, scaled by the pair's router weight, stored to the
    pair's row of an fp32 buffer; each token's ``top_k`` rows are then summed in torch.
@@ -37,6 +38,7 @@ def _gate_up_kernel(
     stride_we, stride_wn, stride_wk,
     stride_ir, stride_ic,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr, RELU2: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     block = tl.program_id(0)
@@ -49,9 +51,10 @@ def _gate_up_kernel(
     tokens = tl.where(is_pair, pairs // top_k, 0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     is_col = cols < inter_size
-    gate_rows = w13_ptr + expert * stride_we + cols[None, :] * stride_wn
-    up_rows = gate_rows + inter_size * stride_wn
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # Gated: the first I rows are the gates, the next I the ups; ungated: the ups alone.
+    first_rows = w13_ptr + expert * stride_we + cols[None, :] * stride_wn
+    up_rows = first_rows + inter_size * stride_wn
+    acc_first = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for start in range(0, hidden_size, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
@@ -59,11 +62,18 @@ def _gate_up_kernel(
         x = tl.load(hidden_ptr + tokens[:, None] * stride_ht + ks[None, :] * stride_hh,
                     mask=is_pair[:, None] & is_k[None, :], other=0.0).to(COMPUTE_DTYPE)  # fmt: skip
         w_mask = is_k[:, None] & is_col[None, :]
-        gate = tl.load(gate_rows + ks[:, None] * stride_wk, mask=w_mask, other=0.0)
-        up = tl.load(up_rows + ks[:, None] * stride_wk, mask=w_mask, other=0.0)
-        acc_gate += tl.dot(x, gate.to(COMPUTE_DTYPE), input_precision=DOT_PRECISION)
-        acc_up += tl.dot(x, up.to(COMPUTE_DTYPE), input_precision=DOT_PRECISION)
-    act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+        first = tl.load(first_rows + ks[:, None] * stride_wk, mask=w_mask, other=0.0)
+        acc_first += tl.dot(x, first.to(COMPUTE_DTYPE), input_precision=DOT_PRECISION)
+        if GATED:
+            up = tl.load(up_rows + ks[:, None] * stride_wk, mask=w_mask, other=0.0)
+            acc_up += tl.dot(x, up.to(COMPUTE_DTYPE), input_precision=DOT_PRECISION)
+    if RELU2:
+        act = tl.maximum(acc_first, 0.0)
+        act = act * act
+    else:
+        act = acc_first * tl.sigmoid(acc_first)
+    if GATED:
+        act = act * acc_up
     out = inter_ptr + rows[:, None].to(tl.int64) * stride_ir + cols[None, :] * stride_ic
     tl.store(out, act.to(inter_ptr.dtype.element_ty), mask=is_pair[:, None] & is_col[None, :])
 
@@ -139,6 +149,9 @@ def fused_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    gated: bool = True,
+    activation: str = "silu",
 ) -> torch.Tensor:
     """What ``kernels.moe.reference.grouped_experts`` computes (same arguments), fused."""
     num_tokens, top_k = topk_ids.shape
@@ -160,6 +173,7 @@ def fused_experts(
         hidden.stride(0), hidden.stride(1),
         w13.stride(0), w13.stride(1), w13.stride(2),
         inter.stride(0), inter.stride(1),
+        GATED=gated, RELU2=activation == "relu2",
         **constexprs,
     )  # fmt: skip
     _down_kernel[(num_blocks, triton.cdiv(hidden_size, BLOCK_N))](

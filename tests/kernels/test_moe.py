@@ -30,8 +30,9 @@ def poison_new_buffers(monkeypatch):
     monkeypatch.setattr(torch, "empty", poisoned)
 
 
-def oracle(hidden, w13, w2, weights, ids) -> torch.Tensor:
-    """Each token's experts one by one, in float64; ids past the experts add nothing."""
+def oracle(hidden, w13, w2, weights, ids, gated=True) -> torch.Tensor:
+    """Each token's experts one by one, in float64; ids past the experts add nothing. Gated:
+    SiLU(gate) * up; ungated: relu²(up)."""
     hidden, w13, w2, weights = (t.double() for t in (hidden, w13, w2, weights))
     out = torch.zeros_like(hidden)
     inter = w2.shape[2]
@@ -40,8 +41,12 @@ def oracle(hidden, w13, w2, weights, ids) -> torch.Tensor:
             e = int(ids[t, j])
             if e >= w13.shape[0]:
                 continue
-            gate, up = w13[e, :inter] @ hidden[t], w13[e, inter:] @ hidden[t]
-            out[t] += weights[t, j] * (w2[e] @ (F.silu(gate) * up))
+            if gated:
+                gate, up = w13[e, :inter] @ hidden[t], w13[e, inter:] @ hidden[t]
+                inner = F.silu(gate) * up
+            else:
+                inner = F.relu(w13[e] @ hidden[t]) ** 2
+            out[t] += weights[t, j] * (w2[e] @ inner)
     return out
 
 
@@ -84,6 +89,17 @@ def test_fused_kernel_matches_float64(shape, dtype_name):
     x, w13, w2, weights, ids = problem(*shape, DTYPES[dtype_name])
     expected = oracle(x, w13, w2, weights, ids)
     assert relative(fused_experts(x, w13, w2, weights, ids), expected) < TOLERANCES[dtype_name]
+
+
+@pytest.mark.parametrize("kernel", [grouped_experts, fused_experts])
+@pytest.mark.parametrize("shape", SHAPES[1:3])
+def test_ungated_relu2_experts_match_float64(kernel, shape):
+    """NemotronH's experts: relu²(up x), no gate rows."""
+    x, w13, w2, weights, ids = problem(*shape, torch.float32)
+    up = w13[:, w2.shape[2] :].contiguous()
+    expected = oracle(x, up, w2, weights, ids, gated=False)
+    out = kernel(x, up, w2, weights, ids, gated=False, activation="relu2")
+    assert relative(out, expected) < 1e-5
 
 
 @pytest.mark.parametrize("kernel", [grouped_experts, fused_experts])

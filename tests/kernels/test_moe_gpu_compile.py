@@ -1,7 +1,8 @@
 """The fused-MoE kernels compile to cubins for sm_90 and fit its shared memory, in bf16 at
 DeepSeek-V3's per-rank sizes (hidden 7168; 256 experts of 2048 intermediate rows, top 8):
 under TP 8 with every expert split (256 experts of 256 rows per rank) and under expert
-parallelism over 8 ranks (32 whole experts per rank). The method of ``test_mla_gpu_compile.py``
+parallelism over 8 ranks (32 whole experts per rank); and ungated relu² experts (NemotronH's)
+at the TP 8 split. The method of ``test_mla_gpu_compile.py``
 (``tests/kernels/compile_launches.py``): the real launcher, its kernels recorded, each launch
 compiled in a fresh process without the interpreter. The weights are ``torch.empty``: the
 kernels never run, and untouched pages cost nothing."""
@@ -21,6 +22,7 @@ from tests.kernels.compile_launches import (
 VARIANTS = {
     "experts bf16 tp8": ["_gate_up_kernel", "_down_kernel"],
     "experts bf16 ep8": ["_gate_up_kernel", "_down_kernel"],
+    "ungated bf16 tp8": ["_gate_up_kernel", "_down_kernel"],  # NemotronH's relu² experts
 }
 JOBS = jobs_for(VARIANTS)
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K, RANKS = 7168, 2048, 256, 8, 8
@@ -61,10 +63,12 @@ def _launcher_call(variant: str):
         experts, rows = EXPERTS // RANKS, INTERMEDIATE
     else:
         experts, rows = EXPERTS, INTERMEDIATE // RANKS
+    gated = not variant.startswith("ungated")
     dtype = torch.bfloat16
-    w13 = torch.empty(experts, 2 * rows, HIDDEN, dtype=dtype)
+    w13 = torch.empty(experts, (2 if gated else 1) * rows, HIDDEN, dtype=dtype)
     w2 = torch.empty(experts, HIDDEN, rows, dtype=dtype)
     hidden = torch.zeros(5, HIDDEN, dtype=dtype)
     ids = torch.randint(0, experts + 1, (5, TOP_K))  # experts: held by another rank
     weights = torch.full((5, TOP_K), 1 / TOP_K, dtype=dtype)
-    return functools.partial(fused_experts, hidden, w13, w2, weights, ids)
+    kind = {} if gated else {"gated": False, "activation": "relu2"}
+    return functools.partial(fused_experts, hidden, w13, w2, weights, ids, **kind)

@@ -135,9 +135,12 @@ NEMOTRON_H = dict(
 )
 
 
-def save_nemotron_h(directory: Path, layers, n_groups: int, **overrides) -> Path:
+def save_nemotron_h(
+    directory: Path, layers, n_groups: int, *, score_bias_std: float = 0.0, **overrides
+) -> Path:
     """``layers``: a pattern string (saved as the legacy ``hybrid_override_pattern``) or a
-    ``layers_block_type`` list."""
+    ``layers_block_type`` list. MoE (``E``) layers' score biases are drawn with
+    ``score_bias_std`` (transformers starts them at zero)."""
     import json
 
     from transformers import NemotronHConfig, NemotronHForCausalLM
@@ -147,7 +150,12 @@ def save_nemotron_h(directory: Path, layers, n_groups: int, **overrides) -> Path
         **NEMOTRON_H, n_groups=n_groups, hybrid_override_pattern=pattern, **overrides
     )
     torch.manual_seed(0)
-    NemotronHForCausalLM(config).eval().save_pretrained(directory)
+    model = NemotronHForCausalLM(config).eval()
+    for layer in model.model.layers:
+        router = getattr(layer.mixer, "gate", None)
+        if score_bias_std and hasattr(router, "e_score_correction_bias"):
+            router.e_score_correction_bias.normal_(std=score_bias_std)
+    model.save_pretrained(directory)
     if isinstance(layers, str):  # write the legacy form, as older checkpoints do
         path = directory / "config.json"
         raw = json.loads(path.read_text())

@@ -25,6 +25,7 @@ from tests.workers.hf_models import (
     reference_generations,
     save_deepseek_moe,
     save_model,
+    save_nemotron_h,
 )
 from workers.protocol import StepResult
 
@@ -93,6 +94,47 @@ def test_deepseek_moe_with_latent_attention_matches_transformers(
     models, family, tp, expert_parallel, layout, chunk
 ):
     model_dir, expected = models(family)
+    options = tiny_model_options(model_dir, tp=tp, enable_expert_parallel=expert_parallel)
+    run = run_in_process if tp == 1 else run_tensor_parallel
+    outputs = run(options, layout, prompt_batches(PROMPTS, NUM_OUTPUT_TOKENS), chunk=chunk)
+    assert outputs == expected
+    assert all(len(set(tokens)) > 8 for tokens in expected.values())
+
+
+NEMOTRON_MOE = dict(
+    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1, routed_scaling_factor=2.0,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def nemotron_moe(tmp_path_factory):
+    """name -> (model dir, reference): NemotronH hybrids with E layers, with and without the
+    experts' latent projections; their score biases drawn (transformers starts them at 0)."""
+    cache = {}
+
+    def get(latent: int):
+        if latent not in cache:
+            directory = save_nemotron_h(
+                tmp_path_factory.mktemp("nemotron_moe"), "M*E-E", 1, **NEMOTRON_MOE,
+                moe_latent_size=latent or None, score_bias_std=0.2,
+            )  # fmt: skip
+            reference = reference_generations(directory, PROMPTS)
+            cache[latent] = directory, {f"r{i}": out for i, out in enumerate(reference)}
+        return cache[latent]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    ("latent", "tp", "expert_parallel", "layout", "chunk"),
+    [(0, 1, False, "BLHNC", 7), (16, 1, False, "LBHNC", 5), (16, 2, True, "BLNHC", 6),
+     (0, 2, False, "LBNHC", 9)],
+)  # fmt: skip
+def test_nemotron_h_moe_layers_match_transformers(
+    nemotron_moe, latent, tp, expert_parallel, layout, chunk
+):
+    model_dir, expected = nemotron_moe(latent)
     options = tiny_model_options(model_dir, tp=tp, enable_expert_parallel=expert_parallel)
     run = run_in_process if tp == 1 else run_tensor_parallel
     outputs = run(options, layout, prompt_batches(PROMPTS, NUM_OUTPUT_TOKENS), chunk=chunk)

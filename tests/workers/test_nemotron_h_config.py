@@ -74,9 +74,24 @@ def test_unknown_pattern_letter_is_named():
         config(layers_block_type=["linear_attention", "ssm"])
 
 
-def test_moe_layers_are_refused_by_name():
-    with pytest.raises(UnsupportedModelError, match=r"Layer 2 is a moe .*does not serve MoE"):
-        config(layers_block_type=None, hybrid_override_pattern="M*E-")
+MOE = dict(
+    layers_block_type=None, hybrid_override_pattern="M*E-", n_routed_experts=8,
+    num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+    n_group=2, topk_group=1, routed_scaling_factor=2.0,
+)  # fmt: skip
+
+
+def test_moe_layers_route_to_ungated_relu2_experts():
+    moe_config = config(**MOE)
+    assert moe_config.layer_types == ("mamba", "full_attention", "mlp", "mlp")  # no cache
+    moe = moe_config.moe
+    assert moe.layers == (2,) and (moe.num_experts, moe.top_k, moe.intermediate_size) == (8, 2, 32)
+    assert (moe.gated, moe.activation, moe.routing) == (False, "relu2", "noaux_tc")
+    assert (moe.n_group, moe.topk_group, moe.routed_scaling_factor) == (2, 1, 2.0)
+    assert moe.shared_expert_intermediate_size == 48 and not moe.shared_expert_gated
+    assert config(**MOE, moe_latent_size=16).moe.latent_size == 16
+    with pytest.raises(UnsupportedModelError, match=r"n_group=3 must divide n_routed_experts=8"):
+        config(**{**MOE, "n_group": 3})
 
 
 def test_groups_and_heads_that_do_not_split_over_tp_are_refused():

@@ -1,45 +1,81 @@
 """A mixture-of-experts MLP under tensor parallelism: the router (replicated: every rank scores
-every expert), the experts, and Qwen2-MoE's gated shared expert. By default each expert is
-split across the TP group by its intermediate dimension (a rank holds the same slice of every
-expert, as a dense MLP is split); with expert parallelism each rank holds whole experts. Every
-rank sees every token (the hidden states are replicated over the TP group), so either way a
-rank's experts give a partial sum of each token's output and one all-reduce completes it: no
-token moves between ranks.
+every expert), the experts, and the shared experts. By default each expert is split across the
+TP group by its intermediate dimension (a rank holds the same slice of every expert, as a dense
+MLP is split); with expert parallelism each rank holds whole experts. Every rank sees every
+token (the hidden states are replicated over the TP group), so either way a rank's experts
+give a partial sum of each token's output and one all-reduce completes it: no token moves
+between ranks.
 
 Checkpoints name experts one by one (``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``,
-Mixtral's ``w1`` / ``w3`` / ``w2``) or stacked (``experts.gate_up_proj`` [E, 2I, H],
-``experts.down_proj`` [E, H, I]); both load into the stacked parameters here, each rank reading
-its own slice."""
+Mixtral's ``w1`` / ``w3`` / ``w2``) or stacked (``experts.gate_up_proj`` [E, 2I, H], or
+``experts.up_proj`` [E, I, H] for ungated experts, and ``experts.down_proj`` [E, H, I]); both
+load into the stacked parameters here, each rank reading its own slice
+(``expert_checkpoint_target`` says where a tensor goes)."""
 
 from __future__ import annotations
+
+import re
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.moe import run_experts, select_experts
+from kernels.moe import activate, run_experts, select_experts
 from kernels.moe.reference import biased_group_top_k, group_limited_top_k
-from workers.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from workers.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from workers.model_config import ExpertShard, MoEConfig
 from workers.parallel import all_reduce, get_tp_group
 
+# Per-expert and stacked checkpoint tensors: (layer prefix, MoE module, expert, projection).
+EXPERT_TENSOR = re.compile(
+    r"^(.*)\.(mlp|block_sparse_moe|mixer)\.experts\.(\d+)\."
+    r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+)
+STACKED_TENSOR = re.compile(r"^(.*)\.(mlp|mixer)\.experts\.(gate_up_proj|up_proj|down_proj)$")
+PARTS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down",
+         "w2": "down"}  # fmt: skip
+
+
+def expert_checkpoint_target(name: str, module: str) -> tuple[str, object] | None:
+    """Our stacked parameter, and the part of it, for an expert tensor of the checkpoint (None:
+    not an expert tensor). ``module`` is our MoE module's name in each layer (``mlp``,
+    NemotronH's ``mixer``)."""
+    if match := EXPERT_TENSOR.match(name):
+        prefix, _, expert, projection = match.groups()
+        part = PARTS[projection]
+        weight = "w2" if part == "down" else "w13"
+        return f"{prefix}.{module}.experts.{weight}", (int(expert), part)
+    if match := STACKED_TENSOR.match(name):
+        prefix, _, projection = match.groups()
+        weight = "w2" if projection == "down_proj" else "w13"
+        return f"{prefix}.{module}.experts.{weight}", None  # every expert at once
+    return None
+
 
 class Experts(nn.Module):
-    """This rank's share of every expert's gate/up (``w13``: [E_rank, 2 I_rank, H]) and down
-    (``w2``: [E_rank, H, I_rank]) projections: whole experts [first, first + E_rank) under
-    expert parallelism, else an I_rank slice of all of them (``MoEConfig.placement``)."""
+    """This rank's share of every expert's gate and up (``w13``: [E_rank, 2 I_rank, H]; up
+    alone, [E_rank, I_rank, H], for ungated experts) and down (``w2``: [E_rank, H, I_rank])
+    projections: whole experts [first, first + E_rank) under expert parallelism, else an I_rank
+    slice of all of them (``MoEConfig.placement``)."""
 
-    def __init__(self, moe: MoEConfig, hidden_size: int, dtype):
+    def __init__(self, moe: MoEConfig, input_size: int, dtype):
         super().__init__()
         tp = get_tp_group()
         self.shard = shard = moe.placement(tp.world_size, tp.rank, tp.expert_parallel)
         self.num_experts, self.intermediate_size = moe.num_experts, moe.intermediate_size
+        self.gated, self.activation = moe.gated, moe.activation
+        self.parts = ("gate", "up") if moe.gated else ("up",)
         count, size = shard.num_experts, shard.intermediate_size
-        self.w13 = _param((count, 2 * size, hidden_size), dtype, self.load_w13)
-        self.w2 = _param((count, hidden_size, size), dtype, self.load_w2)
+        self.w13 = _param((count, len(self.parts) * size, input_size), dtype, self.load_w13)
+        self.w2 = _param((count, input_size, size), dtype, self.load_w2)
         # Loaded one expert at a time (shard (expert, part)), or all at once (no shard).
         every = range(moe.num_experts)
-        self.w13.expected_shards = [(e, p) for e in every for p in ("gate", "up")]
+        self.w13.expected_shards = [(e, p) for e in every for p in self.parts]
         self.w2.expected_shards = [(e, "down") for e in every]
 
     def _local(self, expert: int) -> int | None:
@@ -48,22 +84,20 @@ class Experts(nn.Module):
         return local if 0 <= local < self.shard.num_experts else None
 
     def load_w13(self, param: nn.Parameter, loaded, shard=None) -> None:
-        start, size, full = (
-            self.shard.intermediate_start,
-            self.shard.intermediate_size,
-            self.intermediate_size,
-        )
-        if shard is None:  # every expert's, stacked: [E, 2I, H]
-            _check(loaded, (self.num_experts, 2 * full, param.shape[2]))
+        start, size = self.shard.intermediate_start, self.shard.intermediate_size
+        full = self.intermediate_size
+        if shard is None:  # every expert's, stacked: [E, parts x I, H]
+            _check(loaded, (self.num_experts, len(self.parts) * full, param.shape[2]))
             mine = loaded.narrow(0, self.shard.first_expert, self.shard.num_experts)
-            param.data[:, :size].copy_(mine.narrow(1, start, size))
-            param.data[:, size:].copy_(mine.narrow(1, full + start, size))
+            for index in range(len(self.parts)):
+                rows = mine.narrow(1, index * full + start, size)
+                param.data[:, index * size : (index + 1) * size].copy_(rows)
             return
         expert, part = shard
         _check(loaded, (full, param.shape[2]))
         local = self._local(expert)
         if local is not None:
-            offset = 0 if part == "gate" else size
+            offset = self.parts.index(part) * size
             param.data[local, offset : offset + size].copy_(loaded.narrow(0, start, size))
 
     def load_w2(self, param: nn.Parameter, loaded, shard=None) -> None:
@@ -87,7 +121,10 @@ class Experts(nn.Module):
             local = topk_ids - self.shard.first_expert
             mine = (local >= 0) & (local < self.shard.num_experts)
             topk_ids = torch.where(mine, local, self.shard.num_experts)  # past the last: skipped
-        return run_experts(hidden, self.w13, self.w2, topk_weights, topk_ids)
+        return run_experts(
+            hidden, self.w13, self.w2, topk_weights, topk_ids,
+            gated=self.gated, activation=self.activation,
+        )  # fmt: skip
 
 
 def expert_placements(model: nn.Module) -> dict[str, ExpertShard]:
@@ -96,18 +133,31 @@ def expert_placements(model: nn.Module) -> dict[str, ExpertShard]:
 
 
 class SharedExpert(nn.Module):
-    """Qwen2-MoE's shared expert: a dense SiLU MLP every token runs, its output scaled by
-    ``sigmoid(shared_expert_gate(x))``."""
+    """A dense MLP every token runs beside the routed experts: gated SiLU (Qwen2-MoE's
+    ``shared_expert``, scaled by ``sigmoid(shared_expert_gate(x))``; DeepSeek's
+    ``shared_experts``) or ungated relu² (NemotronH's ``shared_experts``)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype):
+    def __init__(self, hidden_size: int, intermediate_size: int, moe: MoEConfig, dtype):
         super().__init__()
-        width = [intermediate_size, intermediate_size]
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, width, bias=False, dtype=dtype)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+        self.activation = moe.activation
+        self.gate_up_proj = self.up_proj = None
+        bias = moe.mlp_bias
+        if moe.gated:
+            width = [intermediate_size, intermediate_size]
+            self.gate_up_proj = MergedColumnParallelLinear(
+                hidden_size, width, bias=bias, dtype=dtype
+            )
+        else:
+            self.up_proj = ColumnParallelLinear(
+                hidden_size, intermediate_size, bias=bias, dtype=dtype
+            )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is None:
+            return self.down_proj(activate(self.up_proj(x), self.activation))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(activate(gate, self.activation) * up)
 
 
 class Router(nn.Module):
@@ -118,7 +168,7 @@ class Router(nn.Module):
         super().__init__()
         self.moe = moe
         self.weight = _param((moe.num_experts, hidden_size), dtype, _copy)
-        # DeepSeek-V3 chooses on scores plus this learned bias (float32, as published).
+        # DeepSeek-V3 and NemotronH choose on scores plus this learned bias (float32).
         self.e_score_correction_bias = None
         if moe.routing == "noaux_tc":
             self.e_score_correction_bias = _param((moe.num_experts,), torch.float32, _copy)
@@ -144,24 +194,33 @@ class Router(nn.Module):
 
 class SparseMoE(nn.Module):
     """Router, experts and shared experts of one MoE layer; the attribute names are the
-    checkpoints' (Qwen2-MoE's ``shared_expert`` and ``shared_expert_gate``, DeepSeek's
-    ``shared_experts``)."""
+    checkpoints' (Qwen2-MoE's ``shared_expert`` and ``shared_expert_gate``, DeepSeek's and
+    NemotronH's ``shared_experts``, NemotronH's latent projections ``fc1_latent_proj`` and
+    ``fc2_latent_proj``)."""
 
     def __init__(self, hidden_size: int, moe: MoEConfig, dtype: torch.dtype):
         super().__init__()
         self.gate = Router(hidden_size, moe, dtype)
-        self.experts = Experts(moe, hidden_size, dtype)
+        self.fc1_latent_proj = self.fc2_latent_proj = None
+        if moe.latent_size:
+            bias, latent = moe.mlp_bias, moe.latent_size
+            self.fc1_latent_proj = ReplicatedLinear(hidden_size, latent, bias=bias, dtype=dtype)
+            self.fc2_latent_proj = ReplicatedLinear(latent, hidden_size, bias=bias, dtype=dtype)
+        self.experts = Experts(moe, moe.latent_size or hidden_size, dtype)
         shared = moe.shared_expert_intermediate_size
         self.shared_expert = self.shared_expert_gate = self.shared_experts = None
         if shared and moe.shared_expert_gated:
-            self.shared_expert = SharedExpert(hidden_size, shared, dtype)
+            self.shared_expert = SharedExpert(hidden_size, shared, moe, dtype)
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, bias=False, dtype=dtype)
         elif shared:
-            self.shared_experts = SharedExpert(hidden_size, shared, dtype)
+            self.shared_experts = SharedExpert(hidden_size, shared, moe, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = all_reduce(self.experts(x, weights, ids))
+        routed_in = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
+        out = all_reduce(self.experts(routed_in, weights, ids))
+        if self.fc2_latent_proj is not None:
+            out = self.fc2_latent_proj(out)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         elif self.shared_experts is not None:

@@ -5,7 +5,6 @@ Mixtral, Qwen2-MoE and Qwen3-MoE, whose MoE layers route each token to experts
 
 from __future__ import annotations
 
-import re
 from typing import ClassVar
 
 import torch
@@ -20,7 +19,7 @@ from workers.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from workers.layers.moe import SparseMoE
+from workers.layers.moe import SparseMoE, expert_checkpoint_target
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
 from workers.model_config import ModelConfig
@@ -162,19 +161,6 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    # Per-expert checkpoint tensors: (layer prefix, expert, projection) -> our stacked ones.
-    expert_tensor: ClassVar[re.Pattern] = re.compile(
-        r"^(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
-        r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
-    )
-    stacked_tensor: ClassVar[re.Pattern] = re.compile(
-        r"^(.*)\.mlp\.experts\.(gate_up_proj|down_proj)$"
-    )
-    expert_parts: ClassVar[dict[str, str]] = {
-        "gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
-        "down_proj": "down", "w2": "down",
-    }  # fmt: skip
-
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.config = config
@@ -183,23 +169,13 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    @classmethod
-    def checkpoint_target(cls, name: str) -> tuple[str, object] | None:
-        """Our parameter and shard for an MoE checkpoint tensor (None: any other tensor).
+    @staticmethod
+    def checkpoint_target(name: str) -> tuple[str, object] | None:
+        """Our parameter and part for an MoE checkpoint tensor (None: any other tensor).
         Mixtral's ``block_sparse_moe`` is our ``mlp``."""
-        name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
-        if match := cls.expert_tensor.match(name):
-            prefix, expert, projection = match.groups()
-            part = cls.expert_parts[projection]
-            weight = "w2" if part == "down" else "w13"
-            return f"{prefix}.mlp.experts.{weight}", (int(expert), part)
-        if match := cls.stacked_tensor.match(name):
-            prefix, projection = match.groups()
-            weight = "w13" if projection == "gate_up_proj" else "w2"
-            return f"{prefix}.mlp.experts.{weight}", None  # every expert at once
-        if ".mlp.gate." in name:
-            return name, None
-        return None
+        if ".block_sparse_moe.gate." in name:
+            return name.replace(".block_sparse_moe.gate.", ".mlp.gate."), None
+        return expert_checkpoint_target(name, "mlp")
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of a flat batch of tokens."""

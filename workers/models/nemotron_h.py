@@ -1,4 +1,5 @@
-"""NemotronH: a hybrid of Mamba-2 (``M``), attention without RoPE (``*``) and relu² MLP (``-``)
+"""NemotronH: a hybrid of Mamba-2 (``M``), attention without RoPE (``*``), relu² MLP (``-``)
+and mixture-of-experts (``E``: routed relu² experts and a shared one, ``workers.layers.moe``)
 layers, one mixer per layer behind a pre-RMSNorm and a residual. Each Mamba layer keeps its conv
 and SSM states in the KV cache (one ``MambaSpec`` page per request), each attention layer its
 K/V, exactly as a Llama layer does."""
@@ -17,6 +18,7 @@ from workers.layers.attention import Attention
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from workers.layers.mamba2 import MambaMixer2
+from workers.layers.moe import SparseMoE, expert_checkpoint_target
 from workers.layers.norm import RMSNorm
 from workers.model_config import ModelConfig
 
@@ -84,6 +86,8 @@ class NemotronHBlock(nn.Module):
             )
         elif self.kind == "full_attention":
             self.mixer = NemotronHAttention(config, layer_index, dtype)
+        elif config.is_moe(layer_index):
+            self.mixer = SparseMoE(config.hidden_size, config.moe, dtype)
         else:
             self.mixer = NemotronHMLP(config, dtype)
 
@@ -135,6 +139,11 @@ class NemotronHForCausalLM(nn.Module):
         if name.endswith(".mixer.A_log"):
             name = name.removesuffix("A_log") + "A"
         return name
+
+    @classmethod
+    def checkpoint_target(cls, name: str) -> tuple[str, object] | None:
+        """Our stacked parameter and part for an expert tensor (None: any other tensor)."""
+        return expert_checkpoint_target(cls.checkpoint_name(name), "mixer")
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of a flat batch of tokens (positions unused: no

@@ -1,6 +1,7 @@
 """NemotronH's ``config.json``: the layer pattern (``layers_block_type``, or the older
-``hybrid_override_pattern`` letters), the Mamba-2 mixer's geometry, and refusals, by name, of
-what kvray does not serve (MoE layers, other activations)."""
+``hybrid_override_pattern`` letters), the Mamba-2 mixer's geometry, the mixture-of-experts
+(``E``) layers' experts, and refusals, by name, of what kvray does not serve (other
+activations)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from kvcore.dtypes import MODEL_DTYPES
 from workers.model_config import (
     MambaConfig,
     ModelConfig,
+    MoEConfig,
     UnsupportedModelError,
     common_fields,
 )
@@ -21,7 +23,7 @@ NEMOTRON_H_BLOCK_TYPES = {
     "linear_attention": "mamba",
     "full_attention": "full_attention",
     "mlp": "mlp",
-    "moe": None,
+    "moe": "moe",  # an MLP block of routed experts: no cache, as "mlp"
 }
 
 
@@ -30,7 +32,9 @@ def parse_nemotron_h(raw: dict[str, Any], generation: dict[str, Any]) -> ModelCo
     for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
         if raw.get(key, want) != want:
             raise UnsupportedModelError(f"Unsupported {key} {raw[key]!r}; supported: {want}")
-    layer_types = _layer_types(raw)
+    block_types = _layer_types(raw)
+    moe = _moe(raw, [i for i, kind in enumerate(block_types) if kind == "moe"])
+    layer_types = tuple("mlp" if kind == "moe" else kind for kind in block_types)
     heads = raw.get("num_attention_heads", 32)
     ssm_dtype = raw.get("mamba_ssm_cache_dtype") or "float32"
     if ssm_dtype not in (*MODEL_DTYPES, "auto"):
@@ -70,6 +74,7 @@ def parse_nemotron_h(raw: dict[str, Any], generation: dict[str, Any]) -> ModelCo
         layer_types=layer_types,
         attention_module="mixer",
         mamba=mamba,
+        moe=moe,
     )
 
 
@@ -98,11 +103,42 @@ def _layer_types(raw: dict[str, Any]) -> tuple[str, ...]:
                 f"Layer {index} has an unknown block type {block_type!r}; known: "
                 f"{', '.join(NEMOTRON_H_BLOCK_TYPES)}"
             )
-        if NEMOTRON_H_BLOCK_TYPES[block_type] is None:
-            raise UnsupportedModelError(
-                f"Layer {index} is a {block_type} (mixture-of-experts, 'E') layer; kvray does "
-                "not serve MoE layers yet. Served NemotronH layers: linear_attention (M), "
-                "full_attention (*), mlp (-)."
-            )
         types.append(NEMOTRON_H_BLOCK_TYPES[block_type])
     return tuple(types)
+
+
+def _moe(raw: dict[str, Any], layers: list[int]) -> MoEConfig | None:
+    """The ``E`` layers' experts: ungated relu² MLPs (in ``moe_latent_size`` when set), routed
+    as DeepSeek-V3 routes (sigmoid scores plus a learned bias over expert groups), and one
+    ungated shared expert of ``moe_shared_expert_intermediate_size`` rows."""
+    if not layers:
+        return None
+    num_experts = raw.get("n_routed_experts") or raw.get("num_local_experts") or 0
+    top_k = raw.get("num_experts_per_tok") or 1
+    n_group, topk_group = raw.get("n_group") or 1, raw.get("topk_group") or 1
+    if not 1 <= top_k <= num_experts:
+        raise UnsupportedModelError(
+            f"num_experts_per_tok={top_k} must be between 1 and the {num_experts} experts"
+        )
+    if num_experts % n_group or not 1 <= topk_group <= n_group:
+        raise UnsupportedModelError(
+            f"n_group={n_group} must divide n_routed_experts={num_experts}, and topk_group="
+            f"{topk_group} be between 1 and n_group"
+        )
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=raw["moe_intermediate_size"],
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        layers=tuple(layers),
+        shared_expert_intermediate_size=raw.get("moe_shared_expert_intermediate_size") or 0,
+        shared_expert_gated=False,
+        routing="noaux_tc",
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
+        gated=False,
+        activation="relu2",
+        latent_size=raw.get("moe_latent_size") or 0,
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+    )
