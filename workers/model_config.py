@@ -13,7 +13,7 @@ import msgspec
 from kvcore.dtypes import MODEL_DTYPES
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
-ROUTING_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+ROUTING_METHODS = ("greedy", "group_limited_greedy", "noaux_tc", "topk_softmax")
 
 
 class UnsupportedModelError(ValueError):
@@ -115,16 +115,27 @@ class MoEConfig(msgspec.Struct, frozen=True, kw_only=True):
     # How the router picks (ROUTING_METHODS): softmax top-k ("greedy"); DeepSeek-V2's
     # "group_limited_greedy" (the best top_group of n_group expert groups, by their best
     # score); DeepSeek-V3's "noaux_tc" (sigmoid scores plus a learned per-expert bias choose,
-    # groups ranked by their two best). The chosen weights are scaled by
-    # routed_scaling_factor; DeepSeek's router runs in float32.
+    # groups ranked by their two best); gpt-oss's "topk_softmax" (the top-k logits, then a
+    # softmax over those k). The chosen weights are scaled by routed_scaling_factor;
+    # DeepSeek's router runs in float32.
     routing: str = "greedy"
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     # Each expert (and shared expert): act(gate x) * up x when gated (SiLU: Mixtral, Qwen,
-    # DeepSeek), else act(up x) (NemotronH's relu²).
+    # DeepSeek), else act(up x) (NemotronH's relu²); gpt-oss's "swiglu_oai" is
+    # (clamp(up) + 1) * g * sigmoid(alpha g), g = gate clamped to swiglu_limit from above.
     gated: bool = True
-    activation: str = "silu"  # or "relu2"
+    activation: str = "silu"  # or "relu2", "swiglu_oai"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    # gpt-oss: the router and every expert's projections carry biases.
+    router_bias: bool = False
+    expert_bias: bool = False
+    # How a checkpoint stacks every expert in one tensor: "rows" ([E, 2I, H] gate then up
+    # rows, [E, H, I]) or gpt-oss's ("gpt_oss": [E, H, 2I] with gate and up columns
+    # interleaved, [E, I, H]).
+    stacked_layout: str = "rows"
     # NemotronH: the experts work in a latent of this width, projected in and out (0: none);
     # those projections and its shared experts carry biases when its mlp_bias says.
     latent_size: int = 0

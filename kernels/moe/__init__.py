@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels.moe.reference import activate, grouped_experts, select_experts
+from kernels.moe.reference import (
+    GATED_SILU,
+    ExpertKind,
+    activate,
+    grouped_experts,
+    select_experts,
+)
 
 
 def run_experts(
@@ -18,16 +24,15 @@ def run_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
-    gated: bool = True,
-    activation: str = "silu",
+    kind: ExpertKind = GATED_SILU,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``grouped_experts``'s result: fused in Triton on a GPU, grouped torch on the CPU."""
-    kind = dict(gated=gated, activation=activation)
+    run = grouped_experts
     if hidden.is_cuda:
-        from kernels.moe.triton_moe import fused_experts
-
-        return fused_experts(hidden, w13, w2, topk_weights, topk_ids, **kind)
-    return grouped_experts(hidden, w13, w2, topk_weights, topk_ids, **kind)
+        from kernels.moe.triton_moe import fused_experts as run
+    return run(hidden, w13, w2, topk_weights, topk_ids, kind=kind, b13=b13, b2=b2)
 
 
-__all__ = ["activate", "grouped_experts", "run_experts", "select_experts"]
+__all__ = ["ExpertKind", "activate", "grouped_experts", "run_experts", "select_experts"]

@@ -5,6 +5,8 @@ single rank reproduces its sums exactly."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -20,6 +22,12 @@ def select_experts(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(router_logits.dtype), ids
+
+
+def top_k_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss: the ``top_k`` largest logits, weighted by a softmax over those ``k`` alone."""
+    values, ids = torch.topk(router_logits, top_k, dim=-1)
+    return torch.softmax(values, dim=-1, dtype=values.dtype), ids
 
 
 def group_limited_top_k(
@@ -66,12 +74,39 @@ def _group_mask(group_scores: torch.Tensor, top_groups: int, group_size: int) ->
     return mask.repeat_interleave(group_size, dim=-1)
 
 
-ACTIVATIONS = ("silu", "relu2")
+ACTIVATIONS = ("silu", "relu2", "swiglu_oai")
+
+
+@dataclass(frozen=True)
+class ExpertKind:
+    """How an expert computes from its projections: ``act(gate) * up`` when ``gated`` (SiLU),
+    ``act(up)`` when not (relu²), or gpt-oss's clamped SwiGLU (``swiglu_oai``:
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g)``, g = ``min(gate, limit)``)."""
+
+    gated: bool = True
+    activation: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+
+GATED_SILU = ExpertKind()
 
 
 def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
     """SiLU, or NemotronH's relu² (``relu(x) ** 2``)."""
     return F.silu(x) if activation == "silu" else torch.square(F.relu(x))
+
+
+def expert_inner(projected: torch.Tensor, kind: ExpertKind) -> torch.Tensor:
+    """An expert's intermediate rows from its gate/up projection (gate columns, then up)."""
+    if not kind.gated:
+        return activate(projected, kind.activation)
+    gate, up = projected.chunk(2, dim=-1)
+    if kind.activation == "swiglu_oai":
+        gate = gate.clamp(max=kind.limit)
+        up = up.clamp(min=-kind.limit, max=kind.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * kind.alpha))
+    return activate(gate, kind.activation) * up
 
 
 def grouped_experts(
@@ -81,14 +116,16 @@ def grouped_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
-    gated: bool = True,
-    activation: str = "silu",
+    kind: ExpertKind = GATED_SILU,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t])`` for every token t.
 
     hidden [T, H]; w13 [E, 2I, H] (each expert's gate rows, then its up rows), or [E, I, H]
-    (up rows only) when not ``gated``; w2 [E, H, I]; an expert is ``w2 @ (act(gate x) * up x)``,
-    or ``w2 @ act(up x)``. An id of E or more names an expert held
+    (up rows only) when not ``kind.gated``; w2 [E, H, I]; an expert is
+    ``w2 @ inner(w13 x + b13) + b2`` (``expert_inner``; the biases [E, 2I] and [E, H] are
+    gpt-oss's, None elsewhere). An id of E or more names an expert held
     elsewhere (expert parallelism): that choice adds nothing here. With I a rank's slice of
     every expert, or E its own experts, the result is that rank's partial sum (the caller
     all-reduces)."""
@@ -107,12 +144,8 @@ def grouped_experts(
         pairs = order[start : start + count]
         start += count
         tokens = pairs // top_k
-        projected = F.linear(hidden[tokens], w13[expert])
-        if gated:
-            gate, up = projected.chunk(2, dim=-1)
-            inner = activate(gate, activation) * up
-        else:
-            inner = activate(projected, activation)
-        expert_out = F.linear(inner, w2[expert])
+        projected = F.linear(hidden[tokens], w13[expert], None if b13 is None else b13[expert])
+        inner = expert_inner(projected, kind)
+        expert_out = F.linear(inner, w2[expert], None if b2 is None else b2[expert])
         out.index_add_(0, tokens, expert_out * weights[pairs, None])
     return out

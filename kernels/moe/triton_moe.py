@@ -3,8 +3,9 @@ blocks of ``BLOCK_M`` rows of one expert each, then two grouped GEMMs over those
 
 1. ``_gate_up_kernel``, one program per (row block, ``BLOCK_N`` intermediate columns): the
    block's tokens times its expert's gate and up rows, both accumulated in fp32 from the same
-   loads of the tokens, and ``act(gate) * up`` stored to the intermediate buffer (``act(up)``
-   for ungated experts, which have up rows only; act is SiLU or relu²).
+   loads of the tokens (plus their biases, gpt-oss's), and ``act(gate) * up`` stored to the
+   intermediate buffer (``act(up)`` for ungated experts, which have up rows only; act is SiLU,
+   relu² or gpt-oss's clamped SwiGLU).
 2. ``_down_kernel``, one program per (row block, ``BLOCK_N`` hidden columns): the intermediate
    rows times the expert's down projection, scaled by the pair's router weight, stored to the
    pair's row of an fp32 buffer; each token's ``top_k`` rows are then summed in torch.
@@ -23,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.moe.reference import ACTIVATIONS, GATED_SILU, ExpertKind
 from kernels.triton_support import TL_DTYPES, is_interpreted
 
 BLOCK_M = 16  # pairs per row block: tl.dot needs 16 rows on GPUs
@@ -32,13 +34,14 @@ BLOCK_K = 64
 
 @triton.jit
 def _gate_up_kernel(
-    hidden_ptr, w13_ptr, inter_ptr, sorted_pairs_ptr, block_expert_ptr,
-    inter_size, hidden_size, top_k,
+    hidden_ptr, w13_ptr, b13_ptr, inter_ptr, sorted_pairs_ptr, block_expert_ptr,
+    inter_size, hidden_size, top_k, alpha, limit,
     stride_ht, stride_hh,
     stride_we, stride_wn, stride_wk,
+    stride_be,
     stride_ir, stride_ic,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GATED: tl.constexpr, RELU2: tl.constexpr,
+    GATED: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     block = tl.program_id(0)
@@ -67,25 +70,38 @@ def _gate_up_kernel(
         if GATED:
             up = tl.load(up_rows + ks[:, None] * stride_wk, mask=w_mask, other=0.0)
             acc_up += tl.dot(x, up.to(COMPUTE_DTYPE), input_precision=DOT_PRECISION)
-    if RELU2:
+    if HAS_BIAS:
+        bias_row = b13_ptr + expert * stride_be + cols
+        acc_first += tl.load(bias_row, mask=is_col, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_row + inter_size, mask=is_col, other=0.0).to(tl.float32)[None, :]
+    if ACTIVATION == 1:  # relu²
         act = tl.maximum(acc_first, 0.0)
         act = act * act
-    else:
+    elif ACTIVATION == 2:  # gpt-oss's clamped SwiGLU
+        gate = tl.minimum(acc_first, limit)
+        act = gate * tl.sigmoid(gate * alpha)
+    else:  # SiLU
         act = acc_first * tl.sigmoid(acc_first)
     if GATED:
-        act = act * acc_up
+        if ACTIVATION == 2:
+            act = act * (tl.minimum(tl.maximum(acc_up, -limit), limit) + 1.0)
+        else:
+            act = act * acc_up
     out = inter_ptr + rows[:, None].to(tl.int64) * stride_ir + cols[None, :] * stride_ic
     tl.store(out, act.to(inter_ptr.dtype.element_ty), mask=is_pair[:, None] & is_col[None, :])
 
 
 @triton.jit
 def _down_kernel(
-    inter_ptr, w2_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, weights_ptr,
+    inter_ptr, w2_ptr, b2_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, weights_ptr,
     hidden_size, inter_size,
     stride_ir, stride_ic,
     stride_we, stride_wn, stride_wk,
+    stride_be,
     stride_op, stride_oh,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     block = tl.program_id(0)
@@ -108,6 +124,9 @@ def _down_kernel(
         w = tl.load(w_rows + ks[:, None] * stride_wk, mask=is_k[:, None] & is_col[None, :],
                     other=0.0).to(COMPUTE_DTYPE)  # fmt: skip
         acc += tl.dot(a, w, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        bias = tl.load(b2_ptr + expert * stride_be + cols, mask=is_col, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     weight = tl.load(weights_ptr + tl.where(is_pair, pairs, 0), mask=is_pair, other=0.0)
     acc = acc * weight.to(tl.float32)[:, None]
     out = out_ptr + tl.where(is_pair, pairs, 0)[:, None].to(tl.int64) * stride_op
@@ -150,8 +169,9 @@ def fused_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
-    gated: bool = True,
-    activation: str = "silu",
+    kind: ExpertKind = GATED_SILU,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What ``kernels.moe.reference.grouped_experts`` computes (same arguments), fused."""
     num_tokens, top_k = topk_ids.shape
@@ -167,21 +187,27 @@ def fused_experts(
     weights = topk_weights.reshape(-1).contiguous()
     num_blocks = block_expert.numel()
     constexprs = _constexprs(hidden.dtype)
+    # A pointer the kernels never read stands in for an absent bias.
+    b13_arg, b2_arg = (hidden if b is None else b for b in (b13, b2))
     _gate_up_kernel[(num_blocks, triton.cdiv(inter_size, BLOCK_N))](
-        hidden, w13, inter, sorted_pairs, block_expert,
-        inter_size, hidden_size, top_k,
+        hidden, w13, b13_arg, inter, sorted_pairs, block_expert,
+        inter_size, hidden_size, top_k, kind.alpha, kind.limit,
         hidden.stride(0), hidden.stride(1),
         w13.stride(0), w13.stride(1), w13.stride(2),
+        0 if b13 is None else b13.stride(0),
         inter.stride(0), inter.stride(1),
-        GATED=gated, RELU2=activation == "relu2",
+        GATED=kind.gated, ACTIVATION=ACTIVATIONS.index(kind.activation),
+        HAS_BIAS=b13 is not None,
         **constexprs,
     )  # fmt: skip
     _down_kernel[(num_blocks, triton.cdiv(hidden_size, BLOCK_N))](
-        inter, w2, pair_out, sorted_pairs, block_expert, weights,
+        inter, w2, b2_arg, pair_out, sorted_pairs, block_expert, weights,
         hidden_size, inter_size,
         inter.stride(0), inter.stride(1),
         w2.stride(0), w2.stride(1), w2.stride(2),
+        0 if b2 is None else b2.stride(0),
         pair_out.stride(0), pair_out.stride(1),
+        HAS_BIAS=b2 is not None,
         **constexprs,
     )  # fmt: skip
     return pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)

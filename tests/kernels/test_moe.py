@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.moe.reference import grouped_experts, select_experts
+from kernels.moe.reference import ExpertKind, grouped_experts, select_experts
 from kernels.moe.triton_moe import align_by_expert, fused_experts
 from tests.kernels.cases import DEVICE, DTYPES, TOLERANCES
 
@@ -98,8 +98,40 @@ def test_ungated_relu2_experts_match_float64(kernel, shape):
     x, w13, w2, weights, ids = problem(*shape, torch.float32)
     up = w13[:, w2.shape[2] :].contiguous()
     expected = oracle(x, up, w2, weights, ids, gated=False)
-    out = kernel(x, up, w2, weights, ids, gated=False, activation="relu2")
+    out = kernel(x, up, w2, weights, ids, kind=ExpertKind(gated=False, activation="relu2"))
     assert relative(out, expected) < 1e-5
+
+
+def swiglu_oai_oracle(hidden, w13, w2, b13, b2, weights, ids, alpha=1.702, limit=7.0):
+    """gpt-oss's experts in float64: biases, then (clamp(up) + 1) * g * sigmoid(alpha g)."""
+    hidden, w13, w2, b13, b2, weights = (t.double() for t in (hidden, w13, w2, b13, b2, weights))
+    out = torch.zeros_like(hidden)
+    inter = w2.shape[2]
+    for t in range(hidden.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            projected = w13[e] @ hidden[t] + b13[e]
+            gate = projected[:inter].clamp(max=limit)
+            up = projected[inter:].clamp(-limit, limit)
+            inner = (up + 1) * gate * torch.sigmoid(alpha * gate)
+            out[t] += weights[t, j] * (w2[e] @ inner + b2[e])
+    return out
+
+
+@pytest.mark.parametrize("kernel", [grouped_experts, fused_experts])
+@pytest.mark.parametrize("shape", SHAPES[1:3])
+def test_biased_clamped_swiglu_experts_match_float64(kernel, shape):
+    """gpt-oss's experts; weights scaled up so the clamps at +-7 bite."""
+    x, w13, w2, weights, ids = problem(*shape, torch.float32)
+    w13 = w13 * 20
+    num_experts, hidden, inter = w2.shape
+    b13 = torch.randn(num_experts, 2 * inter).to(DEVICE)
+    b2 = torch.randn(num_experts, hidden).to(DEVICE)
+    gate = torch.einsum("eih,th->tei", w13[:, :inter], x)
+    assert (gate > 7).any() and (gate.abs() < 7).any()
+    kind = ExpertKind(activation="swiglu_oai")
+    out = kernel(x, w13, w2, weights, ids, kind=kind, b13=b13, b2=b2)
+    assert relative(out, swiglu_oai_oracle(x, w13, w2, b13, b2, weights, ids)) < 1e-5
 
 
 @pytest.mark.parametrize("kernel", [grouped_experts, fused_experts])
@@ -187,3 +219,19 @@ def test_deepseek_routers_choose_and_weigh_as_transformers_does():
     _, hf_weights, hf_ids = v2(x)
     weights, ids = group_limited_top_k(F.linear(x, v2.weight), 3, 4, 2)
     assert torch.equal(ids, hf_ids) and torch.allclose(weights * 2.5, hf_weights)
+
+
+def test_gpt_oss_router_softmaxes_its_top_logits_as_transformers_does():
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+
+    from kernels.moe.reference import top_k_softmax
+
+    router = GptOssTopKRouter(GptOssConfig(hidden_size=16, num_local_experts=8,
+                                           num_experts_per_tok=3))  # fmt: skip
+    router.weight.data.normal_()
+    router.bias.data.normal_()
+    x = torch.randn(21, 16)
+    _, hf_weights, hf_ids = router(x)
+    weights, ids = top_k_softmax(F.linear(x, router.weight, router.bias), 3)
+    assert torch.equal(ids, hf_ids) and torch.allclose(weights, hf_weights)

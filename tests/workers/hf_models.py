@@ -81,7 +81,29 @@ def _qwen3_moe():
     )  # fmt: skip
 
 
-SPARSE = {"mixtral": _mixtral, "qwen2-moe": _qwen2_moe, "qwen3-moe": _qwen3_moe}
+def _gpt_oss():
+    from transformers import GptOssConfig
+
+    dense = {k: v for k, v in COMMON.items() if k != "intermediate_size"}
+    yarn = {
+        "rope_type": "yarn",
+        "factor": 8.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 150000.0,
+    }
+    return GptOssConfig(
+        **dense, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters=yarn,
+    )  # fmt: skip
+
+
+SPARSE = {
+    "mixtral": _mixtral, "qwen2-moe": _qwen2_moe, "qwen3-moe": _qwen3_moe, "gpt-oss": _gpt_oss,
+}  # fmt: skip
 
 
 def save_model(family: str, directory: Path, *, max_shard_size: str | None = None) -> Path:
@@ -89,6 +111,9 @@ def save_model(family: str, directory: Path, *, max_shard_size: str | None = Non
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(build_config(family)).eval()
+    for name, param in model.named_parameters():
+        if name.endswith("_proj_bias"):  # gpt-oss's expert biases start at zero
+            param.data.normal_(std=0.5)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(directory, **kwargs)
     return directory

@@ -73,6 +73,9 @@ CASES = [
     ("mixtral", "torch", "BLNHC", 2, 6),
     ("qwen2-moe", "torch", "LHBNC", 2, 7),
     ("qwen3-moe", "torch", "BHLNC", 2, 9),
+    # gpt-oss: attention sinks, sliding and full layers, biased experts with a clamped SwiGLU.
+    ("gpt-oss", "torch", "BLHNC", 1, 7),
+    ("gpt-oss", "torch", "LBNHC", 2, 5),
 ]
 
 

@@ -145,3 +145,35 @@ def test_a_missing_expert_is_named(tmp_path):
         CheckpointError, match=r"model\.layers\.2\.mlp\.experts\.w13.*part \(3, 'up'\)"
     ):
         load_weights(build(model_dir), model_dir, show_progress=False)
+
+
+GPT_OSS = {
+    "architectures": ["GptOssForCausalLM"],
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "intermediate_size": 32,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_local_experts": 8,
+    "experts_per_token": 2,  # published configs also write this name
+    "sliding_window": 8,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "truncate": False, "original_max_position_embeddings": 64},
+}  # fmt: skip
+
+
+def test_gpt_oss_reads_its_sinks_windows_and_experts():
+    config = parse_hf_config(GPT_OSS)
+    assert config.layer_types == ("sliding_attention", "full_attention") * 2
+    assert config.sliding_window == 8 and config.qkv_bias and config.o_proj_bias
+    assert config.rope_scaling.rope_type == "yarn" and not config.rope_scaling.truncate
+    moe = config.moe
+    assert moe.layers == (0, 1, 2, 3) and (moe.num_experts, moe.top_k) == (8, 2)
+    assert (moe.routing, moe.activation, moe.swiglu_limit) == ("topk_softmax", "swiglu_oai", 7.0)
+    assert moe.router_bias and moe.expert_bias and moe.stacked_layout == "gpt_oss"
+    mxfp4 = GPT_OSS | {"quantization_config": {"quant_method": "mxfp4"}}
+    with pytest.raises(UnsupportedModelError, match=r"quantization_config: mxfp4"):
+        parse_hf_config(mxfp4)

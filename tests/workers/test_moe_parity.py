@@ -57,8 +57,9 @@ def models(tmp_path_factory):
 
 @pytest.mark.parametrize(
     ("family", "layout", "chunk"),
-    [("mixtral", "BLHNC", 7), ("qwen2-moe", "LBNHC", 64), ("qwen3-moe", "BHLNC", 5)],
-)
+    [("mixtral", "BLHNC", 7), ("qwen2-moe", "LBNHC", 64), ("qwen3-moe", "BHLNC", 5),
+     ("gpt-oss", "LBHNC", 6)],
+)  # fmt: skip
 def test_expert_parallel_at_tp2_matches_transformers(models, family, layout, chunk):
     model_dir, expected = models(family)
     options = tiny_model_options(model_dir, tp=2, enable_expert_parallel=True)

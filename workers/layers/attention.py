@@ -21,6 +21,7 @@ class Attention(nn.Module):
         *,
         scale: float,
         sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ):
         super().__init__()
         self.layer_name = layer_name
@@ -28,8 +29,9 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
         self.scale = scale
+        # sinks: one logit per query head of this rank (gpt-oss), loaded in place later.
         self.params = AttentionParams(
-            scale=scale, num_kv_heads=num_kv_heads, sliding_window=sliding_window
+            scale=scale, num_kv_heads=num_kv_heads, sliding_window=sliding_window, sinks=sinks
         )
         self.kv_cache: torch.Tensor | None = None  # [B, H, N, C] view, bound at allocation
 

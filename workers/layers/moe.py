@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.moe import activate, run_experts, select_experts
-from kernels.moe.reference import biased_group_top_k, group_limited_top_k
+from kernels.moe import ExpertKind, activate, run_experts, select_experts
+from kernels.moe.reference import biased_group_top_k, group_limited_top_k, top_k_softmax
 from workers.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -36,7 +36,9 @@ EXPERT_TENSOR = re.compile(
     r"^(.*)\.(mlp|block_sparse_moe|mixer)\.experts\.(\d+)\."
     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
 )
-STACKED_TENSOR = re.compile(r"^(.*)\.(mlp|mixer)\.experts\.(gate_up_proj|up_proj|down_proj)$")
+STACKED_TENSOR = re.compile(
+    r"^(.*)\.(mlp|mixer)\.experts\.(gate_up_proj|up_proj|down_proj)(_bias)?$"
+)
 PARTS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down",
          "w2": "down"}  # fmt: skip
 
@@ -51,8 +53,8 @@ def expert_checkpoint_target(name: str, module: str) -> tuple[str, object] | Non
         weight = "w2" if part == "down" else "w13"
         return f"{prefix}.{module}.experts.{weight}", (int(expert), part)
     if match := STACKED_TENSOR.match(name):
-        prefix, _, projection = match.groups()
-        weight = "w2" if projection == "down_proj" else "w13"
+        prefix, _, projection, bias = match.groups()
+        weight = ("b" if bias else "w") + ("2" if projection == "down_proj" else "13")
         return f"{prefix}.{module}.experts.{weight}", None  # every expert at once
     return None
 
@@ -68,7 +70,8 @@ class Experts(nn.Module):
         tp = get_tp_group()
         self.shard = shard = moe.placement(tp.world_size, tp.rank, tp.expert_parallel)
         self.num_experts, self.intermediate_size = moe.num_experts, moe.intermediate_size
-        self.gated, self.activation = moe.gated, moe.activation
+        self.kind = ExpertKind(moe.gated, moe.activation, moe.swiglu_alpha, moe.swiglu_limit)
+        self.stacked_layout = moe.stacked_layout
         self.parts = ("gate", "up") if moe.gated else ("up",)
         count, size = shard.num_experts, shard.intermediate_size
         self.w13 = _param((count, len(self.parts) * size, input_size), dtype, self.load_w13)
@@ -77,6 +80,13 @@ class Experts(nn.Module):
         every = range(moe.num_experts)
         self.w13.expected_shards = [(e, p) for e in every for p in self.parts]
         self.w2.expected_shards = [(e, "down") for e in every]
+        # gpt-oss's biases, stacked in its checkpoints. The down bias is added once: by the
+        # rank holding the expert (expert parallelism), else by rank 0 alone.
+        self.b13 = self.b2 = None
+        if moe.expert_bias:
+            self.b13 = _param((count, len(self.parts) * size), dtype, self.load_b13)
+            self.b2 = _param((count, input_size), dtype, self.load_b2)
+        self.adds_down_bias = tp.expert_parallel or tp.rank == 0
 
     def _local(self, expert: int) -> int | None:
         """The index here of checkpoint expert ``expert`` (None: another rank holds it)."""
@@ -86,6 +96,13 @@ class Experts(nn.Module):
     def load_w13(self, param: nn.Parameter, loaded, shard=None) -> None:
         start, size = self.shard.intermediate_start, self.shard.intermediate_size
         full = self.intermediate_size
+        if shard is None and self.stacked_layout == "gpt_oss":  # [E, H, 2I], interleaved
+            _check(loaded, (self.num_experts, param.shape[2], 2 * full))
+            mine = loaded.narrow(0, self.shard.first_expert, self.shard.num_experts)
+            for index in range(2):  # gate columns are the even ones, up the odd ones
+                columns = mine[..., index::2][..., start : start + size]
+                param.data[:, index * size : (index + 1) * size].copy_(columns.transpose(1, 2))
+            return
         if shard is None:  # every expert's, stacked: [E, parts x I, H]
             _check(loaded, (self.num_experts, len(self.parts) * full, param.shape[2]))
             mine = loaded.narrow(0, self.shard.first_expert, self.shard.num_experts)
@@ -102,6 +119,11 @@ class Experts(nn.Module):
 
     def load_w2(self, param: nn.Parameter, loaded, shard=None) -> None:
         start, size = self.shard.intermediate_start, self.shard.intermediate_size
+        if shard is None and self.stacked_layout == "gpt_oss":  # [E, I, H]
+            _check(loaded, (self.num_experts, self.intermediate_size, param.shape[1]))
+            mine = loaded.narrow(0, self.shard.first_expert, self.shard.num_experts)
+            param.data.copy_(mine.narrow(1, start, size).transpose(1, 2))
+            return
         if shard is None:  # [E, H, I]
             _check(loaded, (self.num_experts, param.shape[1], self.intermediate_size))
             mine = loaded.narrow(0, self.shard.first_expert, self.shard.num_experts)
@@ -113,6 +135,20 @@ class Experts(nn.Module):
         if local is not None:
             param.data[local].copy_(loaded.narrow(1, start, size))
 
+    def load_b13(self, param: nn.Parameter, loaded) -> None:
+        """gpt-oss's [E, 2I] gate/up bias, its columns interleaved as the weight's."""
+        start, size = self.shard.intermediate_start, self.shard.intermediate_size
+        _check(loaded, (self.num_experts, 2 * self.intermediate_size))
+        mine = loaded.narrow(0, self.shard.first_expert, self.shard.num_experts)
+        for index in range(2):
+            param.data[:, index * size : (index + 1) * size].copy_(
+                mine[:, index::2][:, start : start + size]
+            )
+
+    def load_b2(self, param: nn.Parameter, loaded) -> None:
+        _check(loaded, (self.num_experts, param.shape[1]))
+        param.data.copy_(loaded.narrow(0, self.shard.first_expert, self.shard.num_experts))
+
     def forward(self, hidden, topk_weights, topk_ids) -> torch.Tensor:
         """This rank's partial sum of the routed experts' outputs: under expert parallelism
         its own experts' whole outputs (the tokens routed elsewhere skip them), else every
@@ -122,8 +158,8 @@ class Experts(nn.Module):
             mine = (local >= 0) & (local < self.shard.num_experts)
             topk_ids = torch.where(mine, local, self.shard.num_experts)  # past the last: skipped
         return run_experts(
-            hidden, self.w13, self.w2, topk_weights, topk_ids,
-            gated=self.gated, activation=self.activation,
+            hidden, self.w13, self.w2, topk_weights, topk_ids, kind=self.kind, b13=self.b13,
+            b2=self.b2 if self.adds_down_bias else None,
         )  # fmt: skip
 
 
@@ -168,6 +204,7 @@ class Router(nn.Module):
         super().__init__()
         self.moe = moe
         self.weight = _param((moe.num_experts, hidden_size), dtype, _copy)
+        self.bias = _param((moe.num_experts,), dtype, _copy) if moe.router_bias else None
         # DeepSeek-V3 and NemotronH choose on scores plus this learned bias (float32).
         self.e_score_correction_bias = None
         if moe.routing == "noaux_tc":
@@ -175,6 +212,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         moe = self.moe
+        if moe.routing == "topk_softmax":
+            return top_k_softmax(F.linear(x, self.weight, self.bias), moe.top_k)
         if moe.routing == "greedy" and moe.routed_scaling_factor == 1.0:
             return select_experts(
                 F.linear(x, self.weight), moe.top_k, renormalize=moe.norm_topk_prob

@@ -27,7 +27,7 @@ def parse_llama(raw: dict[str, Any], generation: dict[str, Any]) -> ModelConfig:
     hidden = raw["hidden_size"]
     heads = raw["num_attention_heads"]
     num_layers = raw["num_hidden_layers"]
-    layer_types, window = _layer_types(raw, architecture, num_layers)
+    layer_types, window = attention_layer_types(raw, architecture, num_layers)
     rope_theta, rope_scaling = rope_settings(raw)
     return ModelConfig(
         **common,
@@ -50,7 +50,7 @@ def parse_llama(raw: dict[str, Any], generation: dict[str, Any]) -> ModelConfig:
     )
 
 
-def _layer_types(raw: dict[str, Any], architecture: str, num_layers: int):
+def attention_layer_types(raw: dict[str, Any], architecture: str, num_layers: int):
     """Which layers use a sliding window, and the window (None when no layer does)."""
     hidden_act = raw.get("hidden_act", "silu")
     if hidden_act != "silu":

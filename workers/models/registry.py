@@ -14,6 +14,8 @@ from typing import Any
 from workers.model_config import ModelConfig, UnsupportedModelError
 from workers.models.deepseek_config import ARCHITECTURES as DEEPSEEK
 from workers.models.deepseek_config import parse_deepseek
+from workers.models.gpt_oss_config import ARCHITECTURES as GPT_OSS
+from workers.models.gpt_oss_config import parse_gpt_oss
 from workers.models.llama_config import ARCHITECTURES as LLAMA
 from workers.models.llama_config import parse_llama
 from workers.models.nemotron_h_config import parse_nemotron_h
@@ -35,8 +37,10 @@ FAMILIES: dict[str, Family] = {
     "NemotronHForCausalLM": Family(
         parse_nemotron_h, "workers.models.nemotron_h:NemotronHForCausalLM"
     ),
-    # multi-head latent attention, dense MLPs
+    # multi-head latent attention, dense or MoE MLPs
     **dict.fromkeys(DEEPSEEK, _DEEPSEEK),
+    # attention sinks, MoE in every layer
+    **dict.fromkeys(GPT_OSS, Family(parse_gpt_oss, "workers.models.gpt_oss:GptOssForCausalLM")),
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 
