@@ -1,10 +1,11 @@
 """Mixture-of-experts models against transformers, beyond test_hf_parity's cases (every Llama
-family sibling at TP 1 and TP 2 with experts split by their intermediate dimension, across
-layouts, chunked prefill and a prefix hit): expert parallelism at TP 2 (whole experts per
-rank, each rank adding only its experts' outputs), preempted requests recomputing through the
-experts, and DeepSeek's MoE (V3's biased sigmoid routing over expert groups, V2's softmax,
-greedy or group-limited; shared experts) under multi-head latent attention, at TP 2 with
-expert parallelism too."""
+family sibling and gpt-oss at TP 1 and TP 2 with experts split by their intermediate
+dimension): expert parallelism at TP 2 (whole experts per rank, each rank adding only its
+experts' outputs); DeepSeek's MoE (V3's biased sigmoid routing over expert groups, V2's
+softmax, greedy or group-limited; shared experts) under multi-head latent attention, at TP 2
+with expert parallelism too; NemotronH's E layers; and preempted requests recomputing through
+the experts, for every family. Every run is in prefill chunks off the block boundaries and,
+but for the hybrid, ends with a second batch whose prompts hit the first's cached blocks."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from tests.workers.hf_models import (
     save_model,
     save_nemotron_h,
 )
+from tests.workers.test_hf_parity import HIT_PROMPTS, batches
 from workers.protocol import StepResult
 
 DEEPSEEK = {
@@ -48,8 +50,10 @@ def models(tmp_path_factory):
                 save_deepseek_moe(directory, **DEEPSEEK[family])
             else:
                 save_model(family, directory)
-            reference = reference_generations(directory, PROMPTS)
-            cache[family] = directory, {f"r{i}": out for i, out in enumerate(reference)}
+            prompts = PROMPTS + [prompt for _, prompt in HIT_PROMPTS.values()]
+            ids = [f"r{i}" for i in range(len(PROMPTS))] + list(HIT_PROMPTS)
+            reference = reference_generations(directory, prompts)
+            cache[family] = directory, dict(zip(ids, reference, strict=True))
         return cache[family]
 
     return get
@@ -63,22 +67,23 @@ def models(tmp_path_factory):
 def test_expert_parallel_at_tp2_matches_transformers(models, family, layout, chunk):
     model_dir, expected = models(family)
     options = tiny_model_options(model_dir, tp=2, enable_expert_parallel=True)
-    outputs = run_tensor_parallel(
-        options, layout, prompt_batches(PROMPTS, NUM_OUTPUT_TOKENS), chunk=chunk
-    )
+    outputs = run_tensor_parallel(options, layout, batches(), chunk=chunk)
     assert outputs == expected
     assert all(len(set(tokens)) > 8 for tokens in expected.values())
 
 
-def test_preempted_requests_recompute_through_the_experts(models):
-    model_dir, expected = models("qwen3-moe")
+@pytest.mark.parametrize(
+    "family", ["mixtral", "qwen2-moe", "qwen3-moe", "gpt-oss", "deepseek-v3", "deepseek-v2-limited"]
+)
+def test_preempted_requests_recompute_through_the_experts(models, family):
+    model_dir, expected = models(family)
     worker = start_worker(tiny_model_options(model_dir), "LBHNC")
     driver = StepDriver(
         worker.runner.config, lambda p: decode(worker.execute(encode(p)), StepResult)
     )
     requests = [(f"r{i}", p, NUM_OUTPUT_TOKENS) for i, p in enumerate(PROMPTS)]
     outputs = driver.generate(requests, chunk=7, preempt_after={"r0": 20, "r1": 12, "r2": 25})
-    assert outputs == expected
+    assert outputs == {rid: expected[rid] for rid in outputs}
 
 
 @pytest.mark.parametrize(
@@ -97,7 +102,7 @@ def test_deepseek_moe_with_latent_attention_matches_transformers(
     model_dir, expected = models(family)
     options = tiny_model_options(model_dir, tp=tp, enable_expert_parallel=expert_parallel)
     run = run_in_process if tp == 1 else run_tensor_parallel
-    outputs = run(options, layout, prompt_batches(PROMPTS, NUM_OUTPUT_TOKENS), chunk=chunk)
+    outputs = run(options, layout, batches(), chunk=chunk)
     assert outputs == expected
     assert all(len(set(tokens)) > 8 for tokens in expected.values())
 
@@ -141,3 +146,14 @@ def test_nemotron_h_moe_layers_match_transformers(
     outputs = run(options, layout, prompt_batches(PROMPTS, NUM_OUTPUT_TOKENS), chunk=chunk)
     assert outputs == expected
     assert all(len(set(tokens)) > 8 for tokens in expected.values())
+
+
+def test_nemotron_h_preempted_requests_recompute_states_and_experts(nemotron_moe):
+    model_dir, expected = nemotron_moe(16)
+    worker = start_worker(tiny_model_options(model_dir), "BLHNC")
+    driver = StepDriver(
+        worker.runner.config, lambda p: decode(worker.execute(encode(p)), StepResult)
+    )
+    requests = [(f"r{i}", p, NUM_OUTPUT_TOKENS) for i, p in enumerate(PROMPTS)]
+    outputs = driver.generate(requests, chunk=7, preempt_after={"r0": 20, "r1": 12, "r2": 25})
+    assert outputs == expected
