@@ -8,6 +8,8 @@ hidden 2048) run for T tokens whose router logits are random:
   every (token, choice), then one matmul pair per expert that got a token;
 - ``grouped``: kvray's torch path (``kernels.moe.reference.grouped_experts``): the pairs
   sorted by expert once, then one matmul pair per expert over its contiguous rows;
+- ``grouped_packed`` (on a CPU): the same with each expert's weights packed for oneDNN, as a
+  CPU worker runs it (``Experts.pack_for_cpu``);
 - ``fused`` (on a GPU only): kvray's Triton kernels (``kernels.moe.triton_moe``): the pairs
   sorted on the device, two grouped GEMMs over every expert's row blocks in one launch each.
 
@@ -30,6 +32,7 @@ import torch
 
 from cluster.bench.report import format_table, write_json
 from kernels.moe.reference import grouped_experts, select_experts
+from workers.layers.cpu_matmul import linear, pack_weight
 
 
 def _per_expert_loop(config, w13, w2):
@@ -69,6 +72,10 @@ def run(args) -> list[dict]:
     loop = _per_expert_loop(
         dict(num_experts=experts, moe_intermediate_size=inter, hidden_size=hidden), w13, w2
     )
+    # What a CPU worker runs: each expert's weights packed for oneDNN (None: no oneDNN here).
+    packed = {"w13": [pack_weight(w) for w in w13], "w2": [pack_weight(w) for w in w2]}
+    if any(p is None for weights in packed.values() for p in weights):
+        packed = None
     rows = []
     for num_tokens in args.tokens:
         x = torch.randn(num_tokens, hidden).to(device, dtype)
@@ -79,6 +86,15 @@ def run(args) -> list[dict]:
             "per_expert_loop": lambda x=x, w=weights, i=ids: loop(x, i, w),
             "grouped": lambda x=x, w=weights, i=ids: grouped_experts(x, w13, w2, w, i),
         }
+        if device.type == "cpu" and packed is not None:
+            ways["grouped_packed"] = lambda x=x, w=weights, i=ids: grouped_experts(
+                x,
+                w13,
+                w2,
+                w,
+                i,
+                project=lambda rows, e, which: linear(rows, None, packed[which][e]),
+            )
         if device.type == "cuda":
             from kernels.moe.triton_moe import fused_experts
 

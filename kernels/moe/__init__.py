@@ -27,12 +27,17 @@ def run_experts(
     kind: ExpertKind = GATED_SILU,
     b13: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
+    project=None,
 ) -> torch.Tensor:
-    """``grouped_experts``'s result: fused in Triton on a GPU, grouped torch on the CPU."""
-    run = grouped_experts
+    """``grouped_experts``'s result: fused in Triton on a GPU, grouped torch on the CPU
+    (through ``project``, a CPU worker's packed weights, when given)."""
     if hidden.is_cuda:
-        from kernels.moe.triton_moe import fused_experts as run
-    return run(hidden, w13, w2, topk_weights, topk_ids, kind=kind, b13=b13, b2=b2)
+        from kernels.moe.triton_moe import fused_experts
+
+        return fused_experts(hidden, w13, w2, topk_weights, topk_ids, kind=kind, b13=b13, b2=b2)
+    return grouped_experts(
+        hidden, w13, w2, topk_weights, topk_ids, kind=kind, b13=b13, b2=b2, project=project
+    )
 
 
 __all__ = ["ExpertKind", "activate", "grouped_experts", "run_experts", "select_experts"]

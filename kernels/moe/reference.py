@@ -5,6 +5,7 @@ single rank reproduces its sums exactly."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -119,13 +120,16 @@ def grouped_experts(
     kind: ExpertKind = GATED_SILU,
     b13: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
+    project: Callable[[torch.Tensor, int, str], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t])`` for every token t.
 
     hidden [T, H]; w13 [E, 2I, H] (each expert's gate rows, then its up rows), or [E, I, H]
     (up rows only) when not ``kind.gated``; w2 [E, H, I]; an expert is
     ``w2 @ inner(w13 x + b13) + b2`` (``expert_inner``; the biases [E, 2I] and [E, H] are
-    gpt-oss's, None elsewhere). An id of E or more names an expert held
+    gpt-oss's, None elsewhere). ``project(rows, e, "w13" | "w2")``, when given, computes
+    ``rows @ W[e]^T`` instead of ``F.linear`` (a CPU worker's oneDNN-packed weights; ``w13``
+    and ``w2`` then only give the expert count). An id of E or more names an expert held
     elsewhere (expert parallelism): that choice adds nothing here. With I a rank's slice of
     every expert, or E its own experts, the result is that rank's partial sum (the caller
     all-reduces)."""
@@ -144,8 +148,21 @@ def grouped_experts(
         pairs = order[start : start + count]
         start += count
         tokens = pairs // top_k
-        projected = F.linear(hidden[tokens], w13[expert], None if b13 is None else b13[expert])
-        inner = expert_inner(projected, kind)
-        expert_out = F.linear(inner, w2[expert], None if b2 is None else b2[expert])
+        if project is None:
+            projected = F.linear(hidden[tokens], w13[expert], _row(b13, expert))
+            inner = expert_inner(projected, kind)
+            expert_out = F.linear(inner, w2[expert], _row(b2, expert))
+        else:
+            projected = _plus(project(hidden[tokens], expert, "w13"), _row(b13, expert))
+            inner = expert_inner(projected, kind)
+            expert_out = _plus(project(inner, expert, "w2"), _row(b2, expert))
         out.index_add_(0, tokens, expert_out * weights[pairs, None])
     return out
+
+
+def _row(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
+    return None if bias is None else bias[expert]
+
+
+def _plus(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x if bias is None else x + bias

@@ -177,3 +177,22 @@ def test_gpt_oss_reads_its_sinks_windows_and_experts():
     mxfp4 = GPT_OSS | {"quantization_config": {"quant_method": "mxfp4"}}
     with pytest.raises(UnsupportedModelError, match=r"quantization_config: mxfp4"):
         parse_hf_config(mxfp4)
+
+
+def test_cpu_workers_pack_each_experts_weights_for_onednn():
+    """As the dense layers are packed (workers.layers.cpu_matmul): the same outputs, and the
+    unpacked stacks let go."""
+    from workers.layers.cpu_matmul import pack_linear_weights
+    from workers.layers.moe import SparseMoE
+
+    moe = parse_hf_config(QWEN2_MOE).moe
+    layer = SparseMoE(64, moe, torch.float32)
+    for param in layer.parameters():
+        param.data.normal_(std=0.1)
+    x = torch.randn(9, 64)
+    with torch.inference_mode():
+        before = layer(x)
+        if pack_linear_weights(layer) == 0:
+            pytest.skip("this torch has no oneDNN")  # the unpacked path is what runs then
+        assert layer.experts.w13.numel() == 0 and layer.experts.w2.numel() == 0
+        assert torch.allclose(layer(x), before, atol=1e-5)

@@ -22,6 +22,7 @@ from torch import nn
 
 from kernels.moe import ExpertKind, activate, run_experts, select_experts
 from kernels.moe.reference import biased_group_top_k, group_limited_top_k, top_k_softmax
+from workers.layers.cpu_matmul import linear, pack_weight
 from workers.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -87,6 +88,7 @@ class Experts(nn.Module):
             self.b13 = _param((count, len(self.parts) * size), dtype, self.load_b13)
             self.b2 = _param((count, input_size), dtype, self.load_b2)
         self.adds_down_bias = tp.expert_parallel or tp.rank == 0
+        self._project = None  # oneDNN-packed products on CPUs (pack_for_cpu)
 
     def _local(self, expert: int) -> int | None:
         """The index here of checkpoint expert ``expert`` (None: another rank holds it)."""
@@ -159,8 +161,27 @@ class Experts(nn.Module):
             topk_ids = torch.where(mine, local, self.shard.num_experts)  # past the last: skipped
         return run_experts(
             hidden, self.w13, self.w2, topk_weights, topk_ids, kind=self.kind, b13=self.b13,
-            b2=self.b2 if self.adds_down_bias else None,
+            b2=self.b2 if self.adds_down_bias else None, project=self._project,
         )  # fmt: skip
+
+    def pack_for_cpu(self) -> bool:
+        """Each expert's two projections packed for oneDNN, as the dense layers' are
+        (``workers.layers.cpu_matmul``): a few rows per expert is where packing pays most.
+        The unpacked stacks are let go; they keep their expert count for the kernels."""
+        packed = {
+            which: [pack_weight(weight[e]) for e in range(weight.shape[0])]
+            for which, weight in (("w13", self.w13), ("w2", self.w2))
+        }
+        if any(p is None for weights in packed.values() for p in weights):
+            return False
+        self._packed = packed
+        self._project = self._packed_product
+        for weight in (self.w13, self.w2):
+            weight.data = torch.empty((weight.shape[0], 0, 0), dtype=weight.dtype)
+        return True
+
+    def _packed_product(self, rows: torch.Tensor, expert: int, which: str) -> torch.Tensor:
+        return linear(rows, None, self._packed[which][expert])
 
 
 def expert_placements(model: nn.Module) -> dict[str, ExpertShard]:
