@@ -20,3 +20,9 @@ def keep_only(replica_ids: set[str]) -> None:
 
 def latest_stats() -> dict[str, dict]:
     return dict(STATS)
+
+
+def hash_block_size() -> int | None:
+    """The replicas' hash block size (they share one plan), once any has reported."""
+    # list(): a copy made in one step, as another thread may publish meanwhile.
+    return next((stats["hash_block_size"] for stats in list(STATS.values())), None)

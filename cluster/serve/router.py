@@ -34,10 +34,12 @@ class KVRayRouter(RequestRouter):
             view = self.views.get(replica_id) or ReplicaView(replica_id)
             stats = replica.routing_stats or {}
             if stats:
-                view.groups = [
-                    GroupHashes(g["units"], g["hit"], frozenset(g["hashes"]))
-                    for g in stats["groups"]
-                ]
+                view.set_groups(
+                    [
+                        GroupHashes(g["units"], g["hit"], frozenset(g["hashes"]))
+                        for g in stats["groups"]
+                    ]
+                )
                 view.serving = stats["serving"]
                 view.forget_routed_before(now() - self.routed_ttl_s)
                 board.publish(replica_id, stats)
@@ -82,7 +84,7 @@ class KVRayRouter(RequestRouter):
         if not isinstance(payload, bytes):
             return []
         request = decode(payload, AdmittedRequest)
-        block_size = next((s["hash_block_size"] for s in board.latest_stats().values()), None)
+        block_size = board.hash_block_size()
         if block_size is None:
             return []
         blocks = hash_token_ids(request.token_ids, block_size, request.cache_salt)

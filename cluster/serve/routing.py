@@ -53,6 +53,16 @@ class ReplicaView:
     # the next choice must see them).
     chosen: list[float] = field(default_factory=list)
     routed: dict[int, float] = field(default_factory=dict)  # hash -> when it was routed there
+    # Every group's published hashes together, made once per report (not once per request).
+    published: frozenset[int] = field(default=frozenset(), init=False)
+
+    def __post_init__(self) -> None:
+        self.set_groups(self.groups)
+
+    def set_groups(self, groups: list[GroupHashes]) -> None:
+        """The replica's latest report of what it caches."""
+        self.groups = groups
+        self.published = frozenset().union(*(g.hashes for g in groups))
 
     @property
     def load(self) -> int:
@@ -66,23 +76,36 @@ class ReplicaView:
     @property
     def num_known_blocks(self) -> int:
         """Distinct blocks the replica holds or will, as far as the router knows."""
-        published = frozenset().union(*(g.hashes for g in self.groups))
-        return len(published | self.routed.keys())
+        return len(self.published) + sum(1 for h in self.routed if h not in self.published)
 
     def cached_units(self, hashes: Sequence[int]) -> int:
         """Hash blocks of ``hashes`` (the request's, in order) this replica would find cached."""
         if not hashes:
             return 0
         if not self.groups:
-            return _leading(hashes, self.routed.keys(), 1)
+            return _leading(hashes, self.routed, 1)
         hit = len(hashes)
         for group in self.groups:
             if group.hit == PREFIX:
-                hit = min(hit, _leading(hashes, group.hashes | self.routed.keys(), group.units))
+                hit = min(hit, _leading(hashes, _Either(group.hashes, self.routed), group.units))
         for group in self.groups:
             if group.hit == BOUNDARY:
-                hit = _last_boundary(hashes, group.hashes | self.routed.keys(), group.units, hit)
+                held = _Either(group.hashes, self.routed)
+                hit = _last_boundary(hashes, held, group.units, hit)
         return hit
+
+
+class _Either:
+    """Membership in either of two collections, without building their union (a replica
+    publishes up to its whole cache's hashes; a request looks up a few of them)."""
+
+    __slots__ = ("first", "second")
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __contains__(self, item) -> bool:
+        return item in self.first or item in self.second
 
 
 def _leading(hashes: Sequence[int], present, units: int) -> int:
