@@ -152,13 +152,7 @@ class AsyncEngine:
         then abort the rest. Returns how many were aborted."""
         if self.state is EngineState.SERVING:
             self._set_state(EngineState.DRAINING, "The server is shutting down; retry elsewhere.")
-        deadline = time.monotonic() + timeout
-        while self._streams and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        left = list(self._streams)
-        for request_id in left:
-            self.abort(request_id)
-        return len(left)
+        return await finish_or_abort(self._streams, self.abort, timeout)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -359,3 +353,15 @@ class AsyncEngine:
             "the engine stopped serving.",
         )
         logger.error(self.state_reason)
+
+
+async def finish_or_abort(streams: dict, abort: Callable[[str], object], timeout: float) -> int:
+    """Wait up to ``timeout`` seconds for the requests of ``streams`` (request id -> its
+    stream, removed as each ends) to finish, then ``abort`` the rest; returns how many."""
+    deadline = time.monotonic() + timeout
+    while streams and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    left = list(streams)
+    for request_id in left:
+        abort(request_id)
+    return len(left)

@@ -33,12 +33,16 @@ def get_tp_group() -> TPGroup:
     return _group
 
 
-def pick_rendezvous(host: str = "127.0.0.1") -> str:
-    """A ``tcp://host:port`` address with a port that is free right now on ``host``."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now on ``host`` (for a server that takes no port 0)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        port = sock.getsockname()[1]
-    return f"tcp://{host}:{port}"
+        return sock.getsockname()[1]
+
+
+def pick_rendezvous(host: str = "127.0.0.1") -> str:
+    """A ``tcp://host:port`` address with a port that is free right now on ``host``."""
+    return f"tcp://{host}:{free_port(host)}"
 
 
 def init_tp_group(

@@ -7,8 +7,6 @@ the ingress (no CPU either), which serves gRPC itself on ``--port`` of a known n
 
 from __future__ import annotations
 
-import socket
-
 import msgspec
 import ray
 from ray import serve
@@ -19,6 +17,7 @@ from cluster.placement import worker_bundle
 from cluster.serve.ingress import Ingress
 from cluster.serve.replica import EngineReplica
 from kvcore import encode
+from workers.parallel import free_port
 
 APP_NAME = "kvray"
 ROUTER = "cluster.serve.router:KVRayRouter"
@@ -111,13 +110,6 @@ def start_replicas(config: EngineConfig) -> tuple[object, str | None]:
     here = f"node:{ray.util.get_node_ip_address()}"
     application = build_application(config, ingress_node=here)
     return serve.run(application, name=APP_NAME, route_prefix="/"), http_address
-
-
-def free_port(host: str) -> int:
-    """A port free on ``host`` now (Serve's proxy takes no port 0)."""
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
 
 
 def stop_replicas() -> None:

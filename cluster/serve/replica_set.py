@@ -11,14 +11,13 @@ replica's queue full is RESOURCE_EXHAUSTED."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator, Sequence
 
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from cluster.admission import Admission, AdmittedRequest
+from cluster.engine import finish_or_abort
 from cluster.errors import (
     EngineInternalError,
     EngineUnavailableError,
@@ -95,13 +94,7 @@ class ReplicaSet:
         """Take no new requests; let running ones finish for up to ``timeout`` seconds, then
         abort the rest. Returns how many were aborted."""
         self.draining_reason = "The server is shutting down; retry elsewhere."
-        deadline = time.monotonic() + timeout
-        while self._streams and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        left = list(self._streams)
-        for request_id in left:
-            self.abort(request_id)
-        return len(left)
+        return await finish_or_abort(self._streams, self.abort, timeout)
 
 
 def engine_error(exc: Exception) -> Exception:

@@ -3,7 +3,6 @@ application (re)deployed per configuration on fresh ports, and what the tests re
 
 from __future__ import annotations
 
-import socket
 import time
 
 from ray import serve
@@ -11,12 +10,7 @@ from ray import serve
 from cluster.client import Client
 from cluster.config import EngineConfig
 from cluster.serve.app import APP_NAME, build_application
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from workers.parallel import free_port
 
 
 def start_serve() -> int:
