@@ -116,12 +116,12 @@ class MoEConfig(msgspec.Struct, frozen=True, kw_only=True):
     # "group_limited_greedy" (the best top_group of n_group expert groups, by their best
     # score); DeepSeek-V3's "noaux_tc" (sigmoid scores plus a learned per-expert bias choose,
     # groups ranked by their two best); gpt-oss's "topk_softmax" (the top-k logits, then a
-    # softmax over those k). The chosen weights are scaled by routed_scaling_factor;
-    # DeepSeek's router runs in float32.
+    # softmax over those k). The chosen weights are scaled by routed_scaling_factor.
     routing: str = "greedy"
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    router_in_float32: bool = False  # DeepSeek and NemotronH score in float32 whatever the dtype
     # Each expert (and shared expert): act(gate x) * up x when gated (SiLU: Mixtral, Qwen,
     # DeepSeek), else act(up x) (NemotronH's relu²); gpt-oss's "swiglu_oai" is
     # (clamp(up) + 1) * g * sigmoid(alpha g), g = gate clamped to swiglu_limit from above.

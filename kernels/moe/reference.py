@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.activation import activate
+
 
 def select_experts(
     router_logits: torch.Tensor, top_k: int, *, renormalize: bool
@@ -91,11 +93,6 @@ class ExpertKind:
 
 
 GATED_SILU = ExpertKind()
-
-
-def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
-    """SiLU, or NemotronH's relu² (``relu(x) ** 2``)."""
-    return F.silu(x) if activation == "silu" else torch.square(F.relu(x))
 
 
 def expert_inner(projected: torch.Tensor, kind: ExpertKind) -> torch.Tensor:

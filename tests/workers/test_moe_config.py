@@ -196,3 +196,23 @@ def test_cpu_workers_pack_each_experts_weights_for_onednn():
             pytest.skip("this torch has no oneDNN")  # the unpacked path is what runs then
         assert layer.experts.w13.numel() == 0 and layer.experts.w2.numel() == 0
         assert torch.allclose(layer(x), before, atol=1e-5)
+
+
+def test_deepseek_routes_in_float32_whatever_its_scaling_factor():
+    """DeepSeek-V2-Lite's routed_scaling_factor is 1.0: it must still score in float32, as
+    transformers does, not in the model's dtype."""
+    from workers.layers.moe import Router
+    from workers.models.deepseek_config import parse_deepseek
+
+    raw = {"architectures": ["DeepseekV2ForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
+           "first_k_dense_replace": 1, "n_routed_experts": 8, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 32, "routed_scaling_factor": 1.0}  # fmt: skip
+    moe = parse_deepseek(raw, {}).moe
+    assert moe.router_in_float32 and not parse_hf_config(QWEN2_MOE).moe.router_in_float32
+    router = Router(64, moe, torch.bfloat16)
+    router.weight.data.normal_()
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    weights, ids = router(x)
+    scores = torch.softmax(x.float() @ router.weight.float().T, dim=-1)
+    assert weights.dtype == torch.float32
+    assert torch.equal(weights, scores.gather(1, ids))

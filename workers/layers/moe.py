@@ -20,15 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.moe import ExpertKind, activate, run_experts, select_experts
+from kernels.moe import ExpertKind, run_experts, select_experts
 from kernels.moe.reference import biased_group_top_k, group_limited_top_k, top_k_softmax
 from workers.layers.cpu_matmul import linear, pack_weight
-from workers.layers.linear import (
-    ColumnParallelLinear,
-    MergedColumnParallelLinear,
-    ReplicatedLinear,
-    RowParallelLinear,
-)
+from workers.layers.linear import ReplicatedLinear
+from workers.layers.mlp import MLP
 from workers.model_config import ExpertShard, MoEConfig
 from workers.parallel import all_reduce, get_tp_group
 
@@ -189,34 +185,6 @@ def expert_placements(model: nn.Module) -> dict[str, ExpertShard]:
     return {name: m.shard for name, m in model.named_modules() if isinstance(m, Experts)}
 
 
-class SharedExpert(nn.Module):
-    """A dense MLP every token runs beside the routed experts: gated SiLU (Qwen2-MoE's
-    ``shared_expert``, scaled by ``sigmoid(shared_expert_gate(x))``; DeepSeek's
-    ``shared_experts``) or ungated relu² (NemotronH's ``shared_experts``)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, moe: MoEConfig, dtype):
-        super().__init__()
-        self.activation = moe.activation
-        self.gate_up_proj = self.up_proj = None
-        bias = moe.mlp_bias
-        if moe.gated:
-            width = [intermediate_size, intermediate_size]
-            self.gate_up_proj = MergedColumnParallelLinear(
-                hidden_size, width, bias=bias, dtype=dtype
-            )
-        else:
-            self.up_proj = ColumnParallelLinear(
-                hidden_size, intermediate_size, bias=bias, dtype=dtype
-            )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is None:
-            return self.down_proj(activate(self.up_proj(x), self.activation))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(activate(gate, self.activation) * up)
-
-
 class Router(nn.Module):
     """Scores every expert for each token (every rank, whole) and picks its ``top_k`` by the
     model's routing method; returns ([T, k] weights, [T, k] expert ids)."""
@@ -224,23 +192,23 @@ class Router(nn.Module):
     def __init__(self, hidden_size: int, moe: MoEConfig, dtype: torch.dtype):
         super().__init__()
         self.moe = moe
-        self.weight = _param((moe.num_experts, hidden_size), dtype, _copy)
-        self.bias = _param((moe.num_experts,), dtype, _copy) if moe.router_bias else None
+        self.weight = _whole((moe.num_experts, hidden_size), dtype)
+        self.bias = _whole((moe.num_experts,), dtype) if moe.router_bias else None
         # DeepSeek-V3 and NemotronH choose on scores plus this learned bias (float32).
         self.e_score_correction_bias = None
         if moe.routing == "noaux_tc":
-            self.e_score_correction_bias = _param((moe.num_experts,), torch.float32, _copy)
+            self.e_score_correction_bias = _whole((moe.num_experts,), torch.float32)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         moe = self.moe
+        weight, bias = self.weight, self.bias
+        if moe.router_in_float32:
+            x, weight = x.float(), weight.float()
+            bias = None if bias is None else bias.float()
+        logits = F.linear(x, weight, bias)
         if moe.routing == "topk_softmax":
-            return top_k_softmax(F.linear(x, self.weight, self.bias), moe.top_k)
-        if moe.routing == "greedy" and moe.routed_scaling_factor == 1.0:
-            return select_experts(
-                F.linear(x, self.weight), moe.top_k, renormalize=moe.norm_topk_prob
-            )
-        logits = F.linear(x.float(), self.weight.float())  # DeepSeek routes in float32
-        if moe.routing == "noaux_tc":
+            weights, ids = top_k_softmax(logits, moe.top_k)
+        elif moe.routing == "noaux_tc":
             weights, ids = biased_group_top_k(
                 logits, self.e_score_correction_bias, moe.top_k, moe.n_group, moe.topk_group,
                 renormalize=moe.norm_topk_prob,
@@ -248,8 +216,10 @@ class Router(nn.Module):
         elif moe.routing == "group_limited_greedy":
             weights, ids = group_limited_top_k(logits, moe.top_k, moe.n_group, moe.topk_group)
         else:
-            weights, ids = torch.topk(logits.softmax(dim=-1), moe.top_k, dim=-1, sorted=False)
-        return weights * moe.routed_scaling_factor, ids
+            weights, ids = select_experts(logits, moe.top_k, renormalize=moe.norm_topk_prob)
+        if moe.routed_scaling_factor != 1.0:
+            weights = weights * moe.routed_scaling_factor
+        return weights, ids
 
 
 class SparseMoE(nn.Module):
@@ -267,13 +237,17 @@ class SparseMoE(nn.Module):
             self.fc1_latent_proj = ReplicatedLinear(hidden_size, latent, bias=bias, dtype=dtype)
             self.fc2_latent_proj = ReplicatedLinear(latent, hidden_size, bias=bias, dtype=dtype)
         self.experts = Experts(moe, moe.latent_size or hidden_size, dtype)
-        shared = moe.shared_expert_intermediate_size
+        # Shared experts: a dense MLP of the experts' kind every token runs beside them.
+        shared = moe.shared_expert_intermediate_size and MLP(
+            hidden_size, moe.shared_expert_intermediate_size, gated=moe.gated,
+            activation=moe.activation, bias=moe.mlp_bias, dtype=dtype,
+        )  # fmt: skip
         self.shared_expert = self.shared_expert_gate = self.shared_experts = None
-        if shared and moe.shared_expert_gated:
-            self.shared_expert = SharedExpert(hidden_size, shared, moe, dtype)
+        if shared and moe.shared_expert_gated:  # Qwen2-MoE's, scaled by a sigmoid gate
+            self.shared_expert = shared
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, bias=False, dtype=dtype)
-        elif shared:
-            self.shared_experts = SharedExpert(hidden_size, shared, moe, dtype)
+        elif shared:  # DeepSeek's and NemotronH's
+            self.shared_experts = shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
@@ -288,9 +262,9 @@ class SparseMoE(nn.Module):
         return out
 
 
-def _copy(param: nn.Parameter, loaded) -> None:
-    _check(loaded, tuple(param.shape))
-    param.data.copy_(loaded.narrow(0, 0, param.shape[0]))
+def _whole(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+    """A parameter every rank holds whole (the loader copies it, checking its shape)."""
+    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter:

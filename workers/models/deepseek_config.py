@@ -158,4 +158,5 @@ def _moe(raw: dict[str, Any], architecture: str, num_layers: int) -> MoEConfig |
         n_group=n_group if grouped else 1,
         topk_group=topk_group if grouped else 1,
         routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
+        router_in_float32=True,
     )

@@ -8,37 +8,20 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from workers.kinds.attention import attention_layer_name
 from workers.layers.attention import Attention
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.linear import (
-    MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
+from workers.layers.mlp import MLP
 from workers.layers.moe import SparseMoE, expert_checkpoint_target
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
 from workers.model_config import ModelConfig
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
-        super().__init__()
-        inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [inter, inter], bias=config.mlp_bias, dtype=dtype
-        )
-        self.down_proj = RowParallelLinear(
-            inter, config.hidden_size, bias=config.mlp_bias, dtype=dtype
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaAttention(nn.Module):
@@ -118,7 +101,10 @@ class LlamaDecoderLayer(nn.Module):
         if config.is_moe(layer_index):
             self.mlp = SparseMoE(config.hidden_size, config.moe, dtype)
         else:
-            self.mlp = LlamaMLP(config, dtype)
+            self.mlp = MLP(
+                config.hidden_size, config.intermediate_size, gated=True, activation="silu",
+                bias=config.mlp_bias, dtype=dtype,
+            )  # fmt: skip
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))

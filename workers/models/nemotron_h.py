@@ -9,29 +9,18 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from workers.kinds.attention import attention_layer_name
 from workers.kinds.mamba import mamba_layer_name
 from workers.layers.attention import Attention
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from workers.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from workers.layers.linear import QKVParallelLinear, RowParallelLinear
 from workers.layers.mamba2 import MambaMixer2
+from workers.layers.mlp import MLP
 from workers.layers.moe import SparseMoE, expert_checkpoint_target
 from workers.layers.norm import RMSNorm
 from workers.model_config import ModelConfig
-
-
-class NemotronHMLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
-        super().__init__()
-        inter, bias = config.intermediate_size, config.mlp_bias
-        self.up_proj = ColumnParallelLinear(config.hidden_size, inter, bias=bias, dtype=dtype)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.square(F.relu(self.up_proj(x))))  # relu²
 
 
 class NemotronHAttention(nn.Module):
@@ -89,7 +78,10 @@ class NemotronHBlock(nn.Module):
         elif config.is_moe(layer_index):
             self.mixer = SparseMoE(config.hidden_size, config.moe, dtype)
         else:
-            self.mixer = NemotronHMLP(config, dtype)
+            self.mixer = MLP(
+                config.hidden_size, config.intermediate_size, gated=False, activation="relu2",
+                bias=config.mlp_bias, dtype=dtype,
+            )  # fmt: skip
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden + self.mixer(self.norm(hidden))

@@ -137,6 +137,7 @@ def _moe(raw: dict[str, Any], layers: list[int]) -> MoEConfig | None:
         n_group=n_group,
         topk_group=topk_group,
         routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
+        router_in_float32=True,
         gated=False,
         activation="relu2",
         latent_size=raw.get("moe_latent_size") or 0,
