@@ -51,6 +51,7 @@ class EngineReplica:
             self.config, self.model_config, self.kv_config, RayActorTransport(self.workers)
         )
         self.engine.start()
+        self.plan = encode(self.kv_config)  # reported with every routing stats, made once
 
     async def generate(self, payload: bytes):
         """The outputs of one request (an encoded ``AdmittedRequest``), as they come."""
@@ -74,13 +75,13 @@ class EngineReplica:
             raise RuntimeError(f"the engine stopped serving: {self.engine.state_reason}")
 
     def record_routing_stats(self) -> dict:
-        return routing_stats(self.engine, self.kv_config)
+        return routing_stats(self.engine, self.kv_config, self.plan)
 
     async def __del__(self) -> None:
         await self.engine.stop()
 
 
-def routing_stats(engine, kv_config) -> dict:
+def routing_stats(engine, kv_config, plan: bytes) -> dict:
     """What the routers read of this replica: per KV-cache group, the (short) hashes of the
     blocks its prefix cache holds and how they make a hit; whether it serves; its occupancy
     and counters; its metrics; and its plan (for GetServerInfo)."""
@@ -108,5 +109,5 @@ def routing_stats(engine, kv_config) -> dict:
         "occupancy": occupancy(engine),
         "summary": engine.stats.summary(),
         "metrics": engine.metrics.render().decode() if engine.metrics is not None else "",
-        "plan": encode(kv_config),
+        "plan": plan,
     }
