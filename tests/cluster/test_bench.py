@@ -21,6 +21,7 @@ from cluster.local import LocalServer
 from workers.model_source import model_config_for
 
 SMALL = ["--kv-cache-memory", "16MiB", "--max-model-len", "256", "--log-level", "WARNING"]
+SERVER = EngineConfig(kv_cache_memory_bytes=16 << 20, port=0, max_model_len=256)  # SMALL's
 
 
 def bench(*args: str, tmp_path) -> dict:
@@ -89,8 +90,7 @@ def test_prefix_caching_on_and_off(tmp_path):
 
 
 def test_serve_against_a_running_server(tmp_path):
-    config = EngineConfig(kv_cache_memory_bytes=16 << 20, port=0, max_model_len=256)
-    with LocalServer(config) as server:
+    with LocalServer(SERVER) as server:
         report = bench(
             "serve",
             "--server",
@@ -149,8 +149,7 @@ def test_workloads_and_table():
 def test_serve_multi_tenant_reports_the_cached_share(tmp_path):
     """One request at a time on a cache that holds every system prompt: each tenant's first
     request computes its system prompt, every later one hits all its whole blocks."""
-    config = EngineConfig(kv_cache_memory_bytes=16 << 20, port=0, max_model_len=256)
-    with LocalServer(config) as server:
+    with LocalServer(SERVER) as server:
         report = bench(
             "serve",
             "--server",
@@ -174,7 +173,7 @@ def test_serve_multi_tenant_reports_the_cached_share(tmp_path):
             tmp_path=tmp_path,
         )
     (row,) = report["results"]
-    vocab = model_config_for(config.model).vocab_size
+    vocab = model_config_for(SERVER.model).vocab_size
     pairs = multi_tenant_requests(10, 3, 40, (4, 12), (2, 2), vocab_size=vocab)
     assert len({tenant for tenant, _ in pairs}) == 3
     # 40 tokens: two whole blocks of 16 per repeat.
