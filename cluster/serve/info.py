@@ -26,14 +26,21 @@ def replica_set_info(config, vocab_size: int) -> pb.ServerInfo:
 
     if not stats:
         raise EngineUnavailableError("No engine replica has reported yet; retry.")
-    kv_config = decode(next(iter(stats.values()))["plan"], KVCacheConfig)
+    plans = [decode(s["plan"], KVCacheConfig) for s in stats.values()]
     static = static_info(
         served_model_name(config),
         config.tensor_parallel_size,
         config.backend_on(bool(config.use_gpu)),
-        kv_config,
+        plans[0],
         vocab_size,
     )
+    # Blocks and capacity behind the endpoint: every replica's together, as the free blocks
+    # are (a total beside a single replica's would read as more free blocks than blocks).
+    static |= {
+        "num_blocks": sum(plan.num_blocks for plan in plans),
+        "capacity_tokens": sum(plan.capacity_tokens for plan in plans),
+        "max_concurrency": sum(plan.max_concurrency for plan in plans),
+    }
     replicas = [
         pb.ReplicaInfo(replica_id=replica_id, **s["occupancy"]) for replica_id, s in stats.items()
     ]

@@ -70,6 +70,13 @@ def test_two_replicas_answer_what_one_engine_answers(http_port):
         lambda: sum(r["num_requests_finished"] for r in replicas(address).values()) == 7,
         what="both replicas' reports of the seven requests",
     )
+    with Client(address) as client:
+        info = client.info()
+    with LocalServer(config) as alone, Client(alone.address) as client:
+        one_engine = client.info()
+    # Blocks and capacity are both replicas' together, as the free blocks are.
+    assert info["num_blocks"] == 2 * one_engine["num_blocks"] >= info["num_free_blocks"]
+    assert info["capacity_tokens"] == 2 * one_engine["capacity_tokens"]
     # /metrics: each replica's series under its id, and the totals.
     ids = set(replicas(address))
     metrics = httpx.get(f"http://127.0.0.1:{http_port}/metrics", timeout=30).text
