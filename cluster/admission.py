@@ -15,6 +15,7 @@ import msgspec
 
 from cluster.output.detokenizer import IncrementalDetokenizer
 from cluster.scheduler.request import EngineRequest
+from cluster.structured.compiler import GrammarCompiler
 from cluster.validation import (
     InvalidRequestError,
     check_prompt_len,
@@ -52,6 +53,7 @@ class Admission:
         self.max_model_len = max_model_len
         self.limits = ModelLimits(vocab_size=vocab_size, max_model_len=max_model_len)
         self.default_sampling: dict = {}  # the model's generation defaults, by field name
+        self.grammars = GrammarCompiler(tokenizer, vocab_size)
         self._arrivals = itertools.count()
 
     def sampling_params(self, fields: dict) -> SamplingParams:
@@ -75,18 +77,29 @@ class Admission:
         cache_salt: str | None,
     ) -> AdmittedRequest:
         """A checked request. ``cache_salt`` confines its prefix-cache hits to requests with
-        the same salt (a tenant's own)."""
+        the same salt (a tenant's own). A constrained request's grammar is compiled (or found
+        in the cache) here, so one that does not compile is refused before it is sent."""
+        admitted, _ = await self._admit(prompt, sampling, request_id, cache_salt=cache_salt)
+        return admitted
+
+    async def _admit(
+        self, prompt, sampling: SamplingParams, request_id: str | None, *, cache_salt: str | None
+    ) -> tuple[AdmittedRequest, bytes | None]:
         for field, text in (("request_id", request_id), ("cache_salt", cache_salt)):
             if text is not None:
                 check_text(text, field)
         token_ids = await self._token_ids(prompt)
         check_prompt_len(len(token_ids), self.max_model_len)
-        return AdmittedRequest(
+        grammar = None
+        if sampling.structured_outputs is not None:
+            grammar = await self.grammars.compile(sampling.structured_outputs)
+        admitted = AdmittedRequest(
             request_id=request_id or uuid.uuid4().hex,
             token_ids=token_ids,
             sampling=resolve_max_tokens(sampling, len(token_ids), self.max_model_len),
             cache_salt=cache_salt,
         )
+        return admitted, grammar
 
     async def request(
         self,
@@ -98,7 +111,7 @@ class Admission:
         hash_block_size: int,
     ) -> EngineRequest:
         """A checked request, as the engine holds it (see ``admit``)."""
-        admitted = await self.admit(prompt, sampling, request_id, cache_salt=cache_salt)
+        admitted, grammar = await self._admit(prompt, sampling, request_id, cache_salt=cache_salt)
         kv = KVRequest(
             admitted.request_id,
             admitted.token_ids,
@@ -111,6 +124,7 @@ class Admission:
             sampling=admitted.sampling,
             detokenizer=IncrementalDetokenizer(self.tokenizer, admitted.token_ids),
             arrival_index=next(self._arrivals),
+            grammar=grammar,
         )
 
     async def _token_ids(self, prompt: str | Sequence[int]) -> list[int]:

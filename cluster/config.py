@@ -12,6 +12,9 @@ import msgspec
 from cluster.serve.routing import POLICIES
 from workers.options import RankSettings, WorkerOptions, setting
 
+# The --tool-call-parser names (cluster.tools.parsers holds them; the config loads nothing).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -95,6 +98,21 @@ class EngineConfig(RankSettings, frozen=True, kw_only=True):
             group="server",
         ),
     ] = 4 << 20
+    tool_call_parser: Annotated[
+        str | None,
+        setting(
+            'how to find tool calls in what the model writes, for tool_choice "auto": hermes '
+            "(Qwen, Hermes...) or llama3_json (Llama 3.x)",
+            choices=TOOL_CALL_PARSERS,
+            default_text='none: "auto" is refused',
+            group="server",
+        ),
+    ] = None
+    # vLLM's flag, taken so its command lines work: --tool-call-parser alone turns "auto" on.
+    enable_auto_tool_choice: Annotated[
+        bool,
+        setting("accepted for vLLM compatibility; needs --tool-call-parser", group="server"),
+    ] = False
     drain_timeout_s: Annotated[
         float,
         setting(
@@ -162,7 +180,13 @@ class EngineConfig(RankSettings, frozen=True, kw_only=True):
             "routing_policy": self.routing_policy in POLICIES,
             "autoscale": self.autoscale is None or _replica_range(self.autoscale) is not None,
             "target_ongoing_requests": self.target_ongoing_requests >= 1,
+            "tool_call_parser": self.tool_call_parser in (None, *TOOL_CALL_PARSERS),
         }
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError(
+                "--enable-auto-tool-choice needs --tool-call-parser "
+                f"(one of {', '.join(TOOL_CALL_PARSERS)})"
+            )
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid engine settings: {', '.join(bad)} (got {self})")

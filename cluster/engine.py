@@ -258,6 +258,9 @@ class AsyncEngine:
         now = time.perf_counter()
         self.num_steps += 1
         touched, failed = self.scheduler.update(sent_step.step, result)
+        if result.refused:
+            failed += refused_by_grammar(self.scheduler, result.refused)
+            touched = [r for r in touched if r.request_id not in result.refused]
         touched, unprocessed = end_stopped(self.scheduler, touched)
         failed += unprocessed
         for request in touched:
@@ -353,6 +356,14 @@ class AsyncEngine:
             "the engine stopped serving.",
         )
         logger.error(self.state_reason)
+
+
+def refused_by_grammar(scheduler: Scheduler, request_ids: list[str]) -> list:
+    """Constrained requests whose grammar refused the token sampled for them (it allowed no
+    other: a bug, never the client's doing), each failed alone."""
+    requests = [scheduler.requests.get(request_id) for request_id in request_ids]
+    error = RuntimeError("its grammar refused the token sampled for it")
+    return [(request, error) for request in requests if request is not None]
 
 
 async def finish_or_abort(streams: dict, abort: Callable[[str], object], timeout: float) -> int:

@@ -37,6 +37,9 @@ class NewRequest(msgspec.Struct, frozen=True, kw_only=True):
     num_new_tokens: int
     # How many of token_ids are the prompt (None: all); penalties and min_tokens need it.
     num_prompt_tokens: int | None = None
+    # A constrained request's compiled grammar (xgrammar's serialized form), with its first
+    # step only: the sampling rank keeps its matcher across preemptions.
+    grammar: bytes | None = None
 
 
 class RequestDelta(msgspec.Struct, frozen=True, kw_only=True):
@@ -71,3 +74,5 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: dict[str, TokenLogprobs] = {}
     # Seconds this rank spent in the model forward (the rest of a step is overhead).
     forward_seconds: float = 0.0
+    # Constrained requests whose grammar refused the token sampled for them: they fail.
+    refused: list[str] = []

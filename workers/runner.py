@@ -20,6 +20,7 @@ from kvcore import KVCacheConfig
 from kvcore._math import cdiv
 from workers.block_table import BlockTable
 from workers.forward_context import ForwardContext, set_forward_context
+from workers.grammar.matchers import GrammarMatchers
 from workers.group_step import GroupContext, GroupStepBuilder, StepBatch, StepLimits
 from workers.kinds import kind_of_spec
 from workers.parallel import broadcast_from_first, get_tp_group
@@ -44,13 +45,18 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         # The largest step: the memory profile's, whose scratch a step's metadata stays within.
         limits: StepLimits | None = None,
+        # Makes the vocabulary constrained requests' grammars were compiled against (an
+        # xgrammar.TokenizerInfo); called once, at the first constrained request. None: this
+        # runner refuses constrained requests.
+        grammar_vocabulary=None,
     ):
         self.model = model
         self.backend = backend
         self.config = config
         self.device = torch.device(device)
         self.requests: dict[str, RunnerRequest] = {}
-        self.sampler = Sampler(self.device, model.config.eos_token_ids)
+        grammars = None if grammar_vocabulary is None else GrammarMatchers(grammar_vocabulary)
+        self.sampler = Sampler(self.device, model.config.eos_token_ids, grammars)
         # One table per KV-cache group, rows updated by each step's deltas.
         self.block_tables = [
             BlockTable(cdiv(config.max_model_len, group.kv_cache_spec.block_size))
@@ -88,8 +94,10 @@ class ModelRunner:
         if not batch.request_ids:
             return StepResult()
         hidden, forward_seconds = self._forward(batch)
-        sampled, logprobs = self._sample(batch, hidden)
-        return StepResult(sampled=sampled, logprobs=logprobs, forward_seconds=forward_seconds)
+        sampled, logprobs, refused = self._sample(batch, hidden)
+        return StepResult(
+            sampled=sampled, logprobs=logprobs, forward_seconds=forward_seconds, refused=refused
+        )
 
     def _update_state(self, plan: StepPlan) -> None:
         for request_id in [*plan.preempted_ids, *plan.finished_ids]:
@@ -107,7 +115,7 @@ class ModelRunner:
             )
             for table, ids in zip(self.block_tables, new.block_ids, strict=True):
                 table.add(new.request_id, ids)
-            self.sampler.add_request(new.request_id, new.sampling)
+            self.sampler.add_request(new.request_id, new.sampling, new.grammar)
         for delta in plan.deltas:
             if delta.request_id not in self.requests:
                 raise ValueError(f"A delta for request {delta.request_id!r}, which is not here")
@@ -156,9 +164,10 @@ class ModelRunner:
 
     def _sample(
         self, batch: StepBatch, hidden: torch.Tensor
-    ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
+    ) -> tuple[dict[str, int], dict[str, TokenLogprobs], list[str]]:
         """Tokens for the requests whose known tokens are all computed (rank 0 draws, every
-        rank takes its tokens), and the log-probabilities asked for (rank 0's)."""
+        rank takes its tokens), the log-probabilities asked for and the constrained requests
+        whose grammar refused their token (rank 0's)."""
         rows, last_indices = [], []
         end = 0
         for request_id, query_len, seq_len in zip(
@@ -169,19 +178,20 @@ class ModelRunner:
                 rows.append(request_id)
                 last_indices.append(end - 1)
         if not rows:
-            return {}, {}
+            return {}, {}, []
         with torch.inference_mode():
             logits = self.model.compute_logits(hidden[last_indices])  # [R, vocab]
-        logprobs = {}
+        logprobs, refused = {}, []
         if get_tp_group().is_first_rank:
             sampled = self.sampler.sample_rows(logits, [self._sampling_row(r) for r in rows])
             tokens, logprobs = sampled.tokens, sampled.logprobs  # [R] int64 on self.device
+            refused = sampled.refused
         else:
             tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
         tokens = broadcast_from_first(tokens).tolist()
         for request_id, token in zip(rows, tokens, strict=True):
             self.requests[request_id].token_ids.append(token)
-        return dict(zip(rows, tokens, strict=True)), logprobs
+        return dict(zip(rows, tokens, strict=True)), logprobs, refused
 
     def _sampling_row(self, request_id: str) -> SamplingRow:
         state = self.requests[request_id]

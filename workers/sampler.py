@@ -3,7 +3,10 @@
 Order per row: the log-probabilities users asked for (of the model's own distribution), then
 penalties (repetition on prompt and output tokens; presence and frequency on output tokens),
 EOS and stop tokens held back below ``min_tokens``, temperature, top-k, top-p, and a draw.
-Greedy rows (``temperature == 0``) take the argmax of the penalised logits.
+Greedy rows (``temperature == 0``) take the argmax of the penalised logits. A constrained row
+(structured outputs) has every token its grammar disallows masked out after the penalties;
+below ``min_tokens`` its stop tokens are held back only while the grammar allows something
+else. Rows without a grammar run none of that code.
 
 No row can make the step fail, whatever its logits hold: a draw is an argmax (the exponential
 race), never ``torch.multinomial``, which raises on NaN. A request with a ``seed`` draws from
@@ -14,10 +17,12 @@ preempted request gives the tokens it would have given had it never been preempt
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from workers.grammar.bitmask import apply_token_bitmask
+from workers.grammar.matchers import GrammarMatchers
 from workers.protocol import TokenLogprobs
 from workers.sampling import MIN_TEMPERATURE, SamplingParams
 
@@ -38,26 +43,44 @@ class SamplingRow:
 class Sampled:
     tokens: torch.Tensor  # [R] int64 on the logits' device
     logprobs: dict[str, TokenLogprobs]  # for the rows that asked
+    # Constrained requests whose grammar refused the token drawn (it allowed none): failed.
+    refused: list[str] = field(default_factory=list)
 
 
 class Sampler:
     """Samples one token per row on ``device``; holds the seeded requests' generators."""
 
-    def __init__(self, device: torch.device | str = "cpu", eos_token_ids: Sequence[int] = ()):
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        eos_token_ids: Sequence[int] = (),
+        grammars: GrammarMatchers | None = None,
+    ):
         self.device = torch.device(device)
         self.eos_token_ids = tuple(eos_token_ids)
+        self.grammars = grammars  # None: this sampler refuses constrained requests
         self._generators: dict[str, torch.Generator] = {}
         self._shared = torch.Generator(device=self.device)
         self._shared.seed()
 
-    def add_request(self, request_id: str, params: SamplingParams) -> None:
-        """Start a seeded request's generator; a resumed (preempted) request keeps its own."""
+    def add_request(
+        self, request_id: str, params: SamplingParams, grammar: bytes | None = None
+    ) -> None:
+        """Start a seeded request's generator and a constrained one's matcher (``grammar``:
+        compiled, sent with its first step); a resumed (preempted) request keeps its own."""
         if params.seed is not None and request_id not in self._generators:
             generator = torch.Generator(device=self.device)
             self._generators[request_id] = generator.manual_seed(params.seed & _SEED_MASK)
+        if grammar is not None:
+            if self.grammars is None:
+                raise ValueError(f"Request {request_id} is constrained, but this worker has no "
+                                 "grammar support")  # fmt: skip
+            self.grammars.add(request_id, grammar)
 
     def remove_request(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        if self.grammars is not None:
+            self.grammars.remove(request_id)
 
     @property
     def num_generators(self) -> int:
@@ -76,10 +99,24 @@ class Sampler:
         logits = logits.float()  # the processors below make new tensors: the model's stay
         if any(row.params.has_penalties for row in rows):
             logits = _apply_penalties(logits, rows)
+        constrained = self._constrained_rows(rows)
+        if constrained:
+            indices, bitmask = constrained
+            rows_index = torch.tensor(indices, dtype=torch.int64, device=logits.device)
+            logits = apply_token_bitmask(logits, rows_index, bitmask)
         if any(len(row.output_ids) < row.params.min_tokens for row in rows):
             logits = _hold_back_stops(logits, rows, self.eos_token_ids)
         tokens = self._choose(logits, rows)
-        return Sampled(tokens, _logprobs(model_logits, rows, tokens))
+        refused = []
+        if constrained:
+            chosen = tokens.index_select(0, rows_index).tolist()
+            refused = self.grammars.accept([rows[i].request_id for i in indices], chosen)
+        return Sampled(tokens, _logprobs(model_logits, rows, tokens), refused)
+
+    def _constrained_rows(self, rows: list[SamplingRow]) -> tuple[list[int], torch.Tensor] | None:
+        if self.grammars is None or not any(row.params.is_constrained for row in rows):
+            return None
+        return self.grammars.masks([(row.request_id, row.output_ids) for row in rows])
 
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         params = [row.params for row in rows]
@@ -148,7 +185,9 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
 
 
 def _hold_back_stops(logits: torch.Tensor, rows: list[SamplingRow], eos_ids) -> torch.Tensor:
-    """Below ``min_tokens``, EOS (unless ignored) and the stop tokens cannot be drawn."""
+    """Below ``min_tokens``, EOS (unless ignored) and the stop tokens cannot be drawn; in a
+    constrained row, only while its grammar allows some other token (a finished grammar
+    allows only the stop tokens: holding them back would leave nothing to draw)."""
     logits = logits.clone()
     vocab_size = logits.shape[-1]
     for index, row in enumerate(rows):
@@ -156,8 +195,13 @@ def _hold_back_stops(logits: torch.Tensor, rows: list[SamplingRow], eos_ids) -> 
             continue
         stops = set(row.params.stop_token_ids) | (set() if row.params.ignore_eos else set(eos_ids))
         held = [t for t in stops if 0 <= t < vocab_size]
-        if held:
-            logits[index, torch.tensor(held, device=logits.device)] = float("-inf")
+        if not held:
+            continue
+        held_index = torch.tensor(held, device=logits.device)
+        kept = logits[index, held_index].clone()
+        logits[index, held_index] = float("-inf")
+        if row.params.is_constrained and not torch.isfinite(logits[index]).any():
+            logits[index, held_index] = kept
     return logits
 
 

@@ -10,6 +10,7 @@ import math
 import msgspec
 
 from workers.request_limits import ModelLimits, RequestFieldError, check_sampling_fields
+from workers.structured_outputs import StructuredOutputs
 
 DEFAULT_MAX_TOKENS = 16  # when a request does not say (clipped to what fits the model)
 # Positive temperatures below this are raised to it, as vLLM does: logits divided by less can
@@ -36,11 +37,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     repetition_penalty: float = 1.0  # prompt and output tokens: logit / p if > 0, else * p
     # Log-probabilities of each generated token and this many alternatives (None: none).
     logprobs: int | None = None
+    # What the output must match (a JSON schema, a regex...); None: free text.
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         # Integer and text fields by the shared table, with the wire's limits; admission has
         # already applied the model's (cluster.admission).
         check_sampling_fields(msgspec.structs.asdict(self), ModelLimits())
+        if self.structured_outputs is not None:
+            self.structured_outputs.check()
         problem = _first_problem(self)
         if problem is not None:
             field, message = problem
@@ -49,6 +54,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def is_constrained(self) -> bool:
+        return self.structured_outputs is not None
 
     @property
     def has_penalties(self) -> bool:

@@ -87,6 +87,11 @@ class HFTokenizer:
             special_tokens=parts.special_tokens,
         )
 
+    @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` itself (its vocabulary and decoder)."""
+        return self._tokenizer
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 

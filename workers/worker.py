@@ -19,6 +19,7 @@ from kvcore.views import TORCH_DTYPES
 from workers.default_model import load_default_weights
 from workers.device import distributed_backend, select_device
 from workers.gguf import load_gguf_weights
+from workers.grammar.vocabulary import grammar_vocabulary
 from workers.group_step import StepLimits
 from workers.kv_cache import allocate_kv_cache
 from workers.kv_specs import rank_kv_cache_specs
@@ -26,7 +27,7 @@ from workers.layers.cpu_matmul import pack_linear_weights
 from workers.loader import load_weights
 from workers.memory import CudaMemoryProbe, MemorySnapshot, kv_cache_budget
 from workers.model_config import ModelConfig
-from workers.model_source import gguf_path_for, is_embedded, model_config_for
+from workers.model_source import gguf_path_for, is_embedded, load_tokenizer_for, model_config_for
 from workers.models.registry import model_class_for
 from workers.options import WorkerOptions
 from workers.parallel import destroy_tp_group, get_tp_group, init_tp_group
@@ -158,8 +159,17 @@ class Worker:
             config, self.model.kv_cache_layers(), self.backend, self.device
         )
         limits = StepLimits(self.options.max_num_batched_tokens, self.options.max_num_seqs)
-        self.runner = ModelRunner(self.model, self.backend, config, self.device, limits)
+        self.runner = ModelRunner(
+            self.model, self.backend, config, self.device, limits, self._grammar_vocabulary
+        )
         return self._raw_kv_cache.numel()
+
+    def _grammar_vocabulary(self):
+        """What constrained requests' grammars were compiled against: the tokenizer the
+        controller has (``cluster.assembly``), over the model's logits."""
+        config = self.model_config
+        tokenizer = load_tokenizer_for(self.options.model, config.eos_token_ids)
+        return grammar_vocabulary(tokenizer, config.vocab_size, tokenizer.eos_token_ids)
 
     # -- serving ---------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ async def start_http_server(config, engine, max_model_len: int, model_name: str)
         api_key=config.api_key,
         max_model_len=max_model_len,
         max_request_bytes=config.max_request_body_bytes,
+        tool_call_parser=config.tool_call_parser,
     )
     server = HttpServer(app, host=config.host, port=config.http_port)
     await server.start()

@@ -22,6 +22,8 @@ from cluster.http.disconnect import unless_disconnected
 from cluster.http.errors import ModelNotFoundError, error_of, install_error_handlers
 from cluster.http.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.http.responses import ResponseWriter, sse
+from cluster.http.structured import structured_outputs, tool_mode
+from cluster.validation import InvalidRequestError
 
 CLIENT_GONE = 499  # the status nobody reads: the client disconnected before the answer
 
@@ -40,13 +42,14 @@ def build_app(
     api_key: str | None,
     max_model_len: int,
     max_request_bytes: int,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     app = FastAPI(title="kvray", version=kvray_version(), docs_url=None, redoc_url=None)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     install_error_handlers(app)
     add_probe_routes(app, engine)
-    add_openai_routes(app, engine, model_name, max_model_len, max_request_bytes)
+    add_openai_routes(app, engine, model_name, max_model_len, max_request_bytes, tool_call_parser)
     return app
 
 
@@ -68,7 +71,12 @@ def add_probe_routes(app: FastAPI, engine: AsyncEngine) -> None:
 
 
 def add_openai_routes(
-    app: FastAPI, engine: AsyncEngine, model_name: str, max_model_len: int, max_request_bytes: int
+    app: FastAPI,
+    engine: AsyncEngine,
+    model_name: str,
+    max_model_len: int,
+    max_request_bytes: int,
+    tool_call_parser: str | None,
 ) -> None:
     created = int(time.time())
 
@@ -88,8 +96,10 @@ def add_openai_routes(
         body = await read_request(request, CompletionRequest, max_request_bytes)
         check_model(body.model)
         body.refuse_unsupported()
-        requests = await prepare_choices(
-            engine, body.prompts(), body.sampling_fields(body.logprobs), body.n, body.cache_salt
+        fields = body.sampling_fields(body.logprobs)
+        constraint, origin = structured_outputs(body, None)
+        requests = await prepare_constrained(
+            engine, body.prompts(), fields, constraint, origin, body.n, body.cache_salt
         )
         writer = ResponseWriter("completion", model_name, engine.tokenizer)
         return await respond(request, engine, writer, requests, body)
@@ -99,18 +109,40 @@ def add_openai_routes(
         body = await read_request(request, ChatCompletionRequest, max_request_bytes)
         check_model(body.model)
         body.refuse_unsupported()
+        mode = tool_mode(body, tool_call_parser)
+        constraint, origin = structured_outputs(body, mode)
+        template_kwargs = dict(body.chat_template_kwargs or {})
+        if body.tools:  # the template describes them to the model, under tool_choice "none" too
+            template_kwargs["tools"] = body.template_tools()
         prompt = await chat_prompt(
             engine.tokenizer,
             body.conversation(),
             max_model_len=max_model_len,
             add_generation_prompt=body.add_generation_prompt,
-            template_kwargs=body.chat_template_kwargs or {},
+            template_kwargs=template_kwargs,
         )
-        requests = await prepare_choices(
-            engine, [prompt], body.sampling_fields(), body.n, body.cache_salt
+        requests = await prepare_constrained(
+            engine, [prompt], body.sampling_fields(), constraint, origin, body.n, body.cache_salt
         )
-        writer = ResponseWriter("chat", model_name, engine.tokenizer)
+        writer = ResponseWriter("chat", model_name, engine.tokenizer, mode)
         return await respond(request, engine, writer, requests, body)
+
+
+async def prepare_constrained(engine, prompts, fields, constraint, origin, n, cache_salt):
+    """The choices of a request whose output may be constrained; a constraint that does not
+    compile is refused naming the field it came from."""
+    if constraint is not None:
+        fields = {**fields, "structured_outputs": constraint}
+    try:
+        return await prepare_choices(engine, prompts, fields, n, cache_salt)
+    except InvalidRequestError as exc:
+        if (
+            origin
+            and origin != "structured_outputs"
+            and (exc.param or "").startswith("structured_outputs")
+        ):
+            raise InvalidRequestError(str(exc), param=origin) from None
+        raise
 
 
 async def respond(request: Request, engine, writer: ResponseWriter, requests, body):

@@ -7,6 +7,7 @@ import time
 import uuid
 
 from cluster.http.choices import Choice
+from cluster.tools.output import ToolMode, ToolStream, whole_message
 from workers.protocol import TokenLogprobs
 
 
@@ -14,8 +15,10 @@ class ResponseWriter:
     """Formats one request's responses: its id, creation time and model are shared by every
     chunk, as OpenAI's are."""
 
-    def __init__(self, kind: str, model: str, tokenizer):
+    def __init__(self, kind: str, model: str, tokenizer, tool_mode: ToolMode | None = None):
         self.is_chat = kind == "chat"
+        self.tool_mode = tool_mode  # how a chat's text becomes tool calls; None: it does not
+        self._tool_streams: dict[int, ToolStream] = {}
         prefix = "chatcmpl" if self.is_chat else "cmpl"
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -38,7 +41,12 @@ class ResponseWriter:
     def _choice(self, choice: Choice) -> dict:
         logprobs = self.logprobs(choice.token_ids, choice.logprobs) if choice.logprobs else None
         body = {"index": choice.index, "logprobs": logprobs, "finish_reason": choice.finish_reason}
-        if self.is_chat:
+        if self.is_chat and self.tool_mode is not None:
+            message, finish_reason = whole_message(
+                self.tool_mode, choice.text, choice.finish_reason
+            )
+            body |= {"message": message, "finish_reason": finish_reason}
+        elif self.is_chat:
             body["message"] = {"role": "assistant", "content": choice.text}
         else:
             body["text"] = choice.text
@@ -47,6 +55,8 @@ class ResponseWriter:
     # -- streams -----------------------------------------------------------------------------
 
     def chunk(self, index: int, text: str, token_ids, logprobs, finish_reason, first: bool):
+        if self.is_chat and self.tool_mode is not None:
+            return self._tool_chunks(index, text, token_ids, logprobs, finish_reason)
         body = {"index": index, "finish_reason": finish_reason}
         if logprobs:
             body["logprobs"] = self.logprobs(token_ids, logprobs)
@@ -55,6 +65,29 @@ class ResponseWriter:
         else:
             body["text"] = text
         return self._event({"choices": [body]})
+
+    def _tool_chunks(self, index: int, text: str, token_ids, logprobs, finish_reason) -> str:
+        """The events one output gives when text may become tool calls: none while the text
+        is held back, several when calls complete at once. Log-probabilities ride on the
+        first event (on an empty delta, when the text is held)."""
+        stream = self._tool_streams.setdefault(index, ToolStream(self.tool_mode))
+        deltas, finish_reason = stream.feed(text, finish_reason)
+        if not deltas and (finish_reason is not None or logprobs):
+            deltas = [{}]
+        events = []
+        for position, delta in enumerate(deltas):
+            if not stream.role_sent:
+                delta, stream.role_sent = {"role": "assistant", **delta}, True
+            last = position == len(deltas) - 1
+            body = {
+                "index": index,
+                "delta": delta,
+                "finish_reason": finish_reason if last else None,
+            }
+            if logprobs and position == 0:
+                body["logprobs"] = self.logprobs(token_ids, logprobs)
+            events.append(self._event({"choices": [body]}))
+        return "".join(events)
 
     def usage_chunk(self, choices: list[Choice], n: int) -> str:
         return self._event({"choices": [], "usage": usage(choices, n)})

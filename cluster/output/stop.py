@@ -3,7 +3,8 @@ each step's new tokens after the scheduler has taken them in (``end_stopped``).
 
 Order of checks after each sampled token: a stop token id or EOS ("stop"), then a stop string
 in the text ("stop"; the string and what follows are cut), then ``max_tokens`` or the model's
-length ("length").
+length ("length"). A constrained request's grammar ends with EOS, so EOS ends it even under
+``ignore_eos``: nothing could follow.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def check_stop(
 ) -> str | None:
     """The finish reason after ``token`` was appended (its text already detokenized)."""
     params = request.sampling
-    if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
+    ends_at_eos = not params.ignore_eos or params.is_constrained
+    if token in params.stop_token_ids or (ends_at_eos and token in eos_token_ids):
         return "stop"
     # Below min_tokens the sampler holds stop tokens back, and stop strings are not looked for.
     is_past_min = request.num_output_tokens >= params.min_tokens

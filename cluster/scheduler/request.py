@@ -44,6 +44,8 @@ class EngineRequest:
     arrival_time: float = field(default_factory=time.monotonic)  # for latency metrics
     last_token_time: float | None = None  # when its latest token arrived (None: none yet)
     emitted_text_len: int = 0  # characters already sent, for stop-string hold-back
+    # A constrained request's compiled grammar, sent to the workers with its first step.
+    grammar: bytes | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

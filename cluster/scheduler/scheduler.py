@@ -52,6 +52,8 @@ def new_request_message(
         block_ids=block_ids,
         num_computed_tokens=kv.num_computed_tokens,
         num_new_tokens=num_new_tokens,
+        # A resumed request's matcher is still on the sampling rank.
+        grammar=None if request.was_sent else request.grammar,
     )
 
 

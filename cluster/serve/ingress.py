@@ -36,6 +36,7 @@ class Ingress:
             api_key=config.api_key,
             max_model_len=self.replica_set.max_model_len,
             max_request_bytes=config.max_request_body_bytes,
+            tool_call_parser=config.tool_call_parser,
         )
 
     def __serve_build_asgi_app__(self):

@@ -118,6 +118,10 @@ def test_error_statuses(server, client):
         client.completions.create(model=MODEL, prompt="x", temperature=float("-1"))
     with pytest.raises(openai.BadRequestError, match="does not support"):
         client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], logit_bias={"1": 5}
+        )
+    with pytest.raises(openai.BadRequestError, match="--tool-call-parser"):
+        client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}],
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
         )  # fmt: skip
