@@ -27,7 +27,8 @@ def compile_spec(compiler: GrammarCompiler, **spec) -> bytes:
 
 def matches(grammar: bytes, text: str) -> bool:
     info = grammar_vocabulary(ByteTokenizer(), VOCAB, (ByteTokenizer.EOS,))
-    matcher = xgrammar.GrammarMatcher(xgrammar.CompiledGrammar.deserialize_json(grammar.decode(), info))
+    compiled = xgrammar.CompiledGrammar.deserialize_json(grammar.decode(), info)
+    matcher = xgrammar.GrammarMatcher(compiled)
     return all(matcher.accept_token(b) for b in text.encode()) and matcher.is_completed()
 
 
@@ -96,7 +97,7 @@ def test_what_does_not_compile_is_refused_saying_why(compiler, spec, message):
     [{}, {"regex": "a", "choice": ("a",)}, {"choice": ()}, {"regex": ""}, {"choice": ("a", "")}],
 )
 def test_malformed_specs_are_refused(spec):
-    with pytest.raises(RequestFieldError, match="structured_outputs|choice|empty"):
+    with pytest.raises(RequestFieldError, match=r"structured_outputs|choice|empty"):
         StructuredOutputs(**spec).check()
 
 

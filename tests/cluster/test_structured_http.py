@@ -202,7 +202,8 @@ def test_streamed_required_calls_arrive_as_deltas(client):
          "Only one of"),
     ],
 )  # fmt: skip
-def test_bad_constraints_are_400s_and_the_server_keeps_serving(server, client, body, param, message):
+def test_bad_constraints_are_400s_and_the_server_keeps_serving(server, client, body, param,
+                                                               message):  # fmt: skip
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, **body)
     error = caught.value.body

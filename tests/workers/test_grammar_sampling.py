@@ -87,20 +87,21 @@ def test_mixed_batch_free_rows_sample_as_without_neighbours():
     alone = Sampler("cpu", (EOS,))
     alone.add_request("g", free_greedy)
     alone.add_request("s", free_seeded)
-    expected = alone.sample_rows(
-        logits[[0, 2]], [SamplingRow("g", free_greedy, [1], []), SamplingRow("s", free_seeded, [1], [])]
-    ).tokens.tolist()
+    free_rows = [SamplingRow("g", free_greedy, [1], []), SamplingRow("s", free_seeded, [1], [])]
+    expected = alone.sample_rows(logits[[0, 2]], free_rows).tokens.tolist()
 
+    to_digits = SamplingParams(temperature=1.0, structured_outputs=digits)
+    to_yes_no = SamplingParams(temperature=0.0, structured_outputs=yes_no)
     mixed = constrained_sampler()
     mixed.add_request("g", free_greedy)
-    mixed.add_request("d", SamplingParams(temperature=1.0, structured_outputs=digits), digits_grammar)
+    mixed.add_request("d", to_digits, digits_grammar)
     mixed.add_request("s", free_seeded)
-    mixed.add_request("y", SamplingParams(temperature=0.0, structured_outputs=yes_no), yes_no_grammar)
+    mixed.add_request("y", to_yes_no, yes_no_grammar)
     rows = [
-        SamplingRow("g", free_greedy, [1], []),
-        SamplingRow("d", SamplingParams(temperature=1.0, structured_outputs=digits), [1], []),
-        SamplingRow("s", free_seeded, [1], []),
-        SamplingRow("y", SamplingParams(temperature=0.0, structured_outputs=yes_no), [1], []),
+        free_rows[0],
+        SamplingRow("d", to_digits, [1], []),
+        free_rows[1],
+        SamplingRow("y", to_yes_no, [1], []),
     ]
     tokens = mixed.sample_rows(logits, rows).tokens.tolist()
     assert [tokens[0], tokens[2]] == expected
@@ -111,7 +112,7 @@ def test_mixed_batch_free_rows_sample_as_without_neighbours():
 def test_matcher_follows_the_requests_tokens():
     """A matcher made late takes in the outputs the request already has (a resumed request);
     fewer outputs than it took in roll it back; a terminated grammar leaves its row free."""
-    spec, grammar = compiled(regex="ab|ac")
+    _, grammar = compiled(regex="ab|ac")
     matchers = GrammarMatchers(vocabulary)
     matchers.add("r", grammar)
     indices, bitmask = matchers.masks([("r", [ord("a")])])  # resumed after "a"
