@@ -12,6 +12,7 @@ installs and runs anywhere Python and grpcio do.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -121,9 +122,31 @@ def build_request(
             continue
         if key in ("stop", "stop_token_ids"):
             getattr(request.sampling, key).extend([value] if isinstance(value, str) else value)
+        elif key == "structured_outputs":
+            set_structured_outputs(request.sampling.structured_outputs, value)
         else:
             setattr(request.sampling, key, value)
     return request
+
+
+def set_structured_outputs(message, constraint: dict) -> None:
+    """``constraint`` is one of ``{"json": schema}`` (a dict, or its JSON text),
+    ``{"json_object": True}``, ``{"regex": ...}``, ``{"choice": [...]}`` or
+    ``{"grammar": ...}`` (EBNF), as vLLM's ``structured_outputs`` spells them."""
+    if not isinstance(constraint, dict) or len(constraint) != 1:
+        raise TypeError(
+            "structured_outputs takes one of {'json': ...}, {'json_object': True}, "
+            f"{{'regex': ...}}, {{'choice': [...]}}, {{'grammar': ...}}; got {constraint!r}"
+        )
+    ((kind, value),) = constraint.items()
+    if kind == "json":
+        message.json = value if isinstance(value, str) else json.dumps(value)
+    elif kind == "choice":
+        message.choice.choices.extend(value)
+    elif kind in ("json_object", "regex", "grammar"):
+        setattr(message, kind, value)
+    else:
+        raise TypeError(f"structured_outputs has no kind {kind!r}")
 
 
 def _delta(message: pb.GenerateResponse) -> Delta:

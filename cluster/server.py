@@ -25,13 +25,14 @@ from cluster.errors import (
     OverloadedError,
 )
 from workers.sampling import SAMPLING_FIELDS
+from workers.structured_outputs import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = "kvray.v1.Engine"
 # The proto's `optional` scalars, whose presence says whether the request set them.
 OPTIONAL_FIELDS = frozenset(
     field.name for field in pb.SamplingParams.DESCRIPTOR.fields if field.has_presence
-) - {"stop", "stop_token_ids"}
+) - {"stop", "stop_token_ids", "structured_outputs"}
 # The engine's errors as gRPC status codes (subclasses first).
 STATUS_CODES: list[tuple[type[Exception], grpc.StatusCode]] = [
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -54,7 +55,19 @@ def sampling_from_proto(request: pb.GenerateRequest) -> dict:
             fields[name] = tuple(getattr(message, name))
     if message.ignore_eos:
         fields["ignore_eos"] = True
+    if message.HasField("structured_outputs"):
+        fields["structured_outputs"] = structured_from_proto(message.structured_outputs)
     return fields
+
+
+def structured_from_proto(message: pb.StructuredOutputs) -> StructuredOutputs:
+    """The constraint the message sets (none set: refused as such when it is checked)."""
+    kind = message.WhichOneof("constraint")
+    if kind is None:
+        return StructuredOutputs()
+    if kind == "choice":
+        return StructuredOutputs(choice=tuple(message.choice.choices))
+    return StructuredOutputs(**{kind: getattr(message, kind)})
 
 
 def response_from_output(output: RequestOutput) -> pb.GenerateResponse:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 import random
+import re
 import threading
 
 import httpx
@@ -66,9 +67,18 @@ def test_two_replicas_answer_what_one_engine_answers(http_port):
     reply = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json=body, timeout=60)
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["text"] == expected[0].text
+    # A constrained request: compiled (checked) at the ingress, matched on a replica's rank 0;
+    # a constraint that does not compile never reaches a replica.
+    constrained = {**body, "structured_outputs": {"regex": "[a-z]{3}"}, "temperature": 1.0}
+    reply = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json=constrained, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert re.fullmatch("[a-z]{3}", reply.json()["choices"][0]["text"])
+    bad = {**body, "structured_outputs": {"regex": "(unclosed"}}
+    reply = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json=bad, timeout=60)
+    assert reply.status_code == 400 and "parenthesis" in reply.json()["error"]["message"]
     wait_for(
-        lambda: sum(r["num_requests_finished"] for r in replicas(address).values()) == 7,
-        what="both replicas' reports of the seven requests",
+        lambda: sum(r["num_requests_finished"] for r in replicas(address).values()) == 8,
+        what="both replicas' reports of the eight requests",
     )
     with Client(address) as client:
         info = client.info()

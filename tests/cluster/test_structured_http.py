@@ -284,3 +284,21 @@ def test_preemption_and_chunked_prefill_keep_matchers_in_step(tmp_path):
 
 async def _preemptions(server) -> int:
     return server.engine.scheduler.num_preemptions
+
+
+def test_the_grpc_client_takes_the_same_constraints(server):
+    from cluster.client import Client, InvalidRequestError
+
+    with Client(server.address, timeout=60) as grpc_client:
+        answer = grpc_client.generate("x", max_tokens=20, temperature=1.0,
+                                      structured_outputs={"regex": "[0-9]{4}"})  # fmt: skip
+        assert re.fullmatch("[0-9]{4}", answer.text) and answer.finish_reason == "stop"
+        answer = grpc_client.generate("x", max_tokens=120, temperature=1.0, seed=2,
+                                      structured_outputs={"json": PERSON})  # fmt: skip
+        jsonschema.validate(json.loads(answer.text), PERSON)
+        answer = grpc_client.generate("x", max_tokens=8, structured_outputs={"choice": ["a", "b"]})
+        assert answer.text in ("a", "b")
+        with pytest.raises(InvalidRequestError, match="parenthesis"):
+            grpc_client.generate("x", max_tokens=8, structured_outputs={"regex": "(x"})
+        with pytest.raises(TypeError, match="structured_outputs takes one of"):
+            grpc_client.generate("x", structured_outputs={"regex": "a", "grammar": "b"})

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63luster/api/v1/kvray.proto\x12\x08kvray.v1\"\xe2\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x17\n\nmin_tokens\x18\t \x01(\x03H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x03H\t\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_min_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x01\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43onversation\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.kvray.v1.ChatMessage\"\xd8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.kvray.v1.TokenIdsH\x00\x12.\n\x0c\x63onversation\x18\x06 \x01(\x0b\x32\x16.kvray.v1.ConversationH\x00\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.kvray.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\tB\x08\n\x06prompt\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x03\"\xa9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.kvray.v1.Usage\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.kvray.v1.TokenLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x16\n\x14GetServerInfoRequest\"\x8a\x01\n\x0cKVCacheGroup\x12\x13\n\x0blayer_names\x18\x01 \x03(\t\x12\x11\n\tspec_type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x03\x12\x17\n\x0fpage_size_bytes\x18\x04 \x01(\x03\x12%\n\x1dprefix_cache_group_hit_tokens\x18\x05 \x01(\x03\"\xa0\x05\n\nServerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x02 \x01(\x03\x12\x17\n\x0fkv_cache_layout\x18\x03 \x01(\t\x12\x1c\n\x14scheduler_block_size\x18\x04 \x01(\x03\x12\x17\n\x0fhash_block_size\x18\x05 \x01(\x03\x12&\n\x06groups\x18\x06 \x03(\x0b\x32\x16.kvray.v1.KVCacheGroup\x12\x12\n\nnum_blocks\x18\x07 \x01(\x03\x12\x17\n\x0fnum_free_blocks\x18\x08 \x01(\x03\x12\x17\n\x0f\x63\x61pacity_tokens\x18\t \x01(\x03\x12\x15\n\rmax_model_len\x18\n \x01(\x03\x12\x17\n\x0fmax_concurrency\x18\x0b \x01(\x01\x12\x19\n\x11\x61ttention_backend\x18\x0c \x01(\t\x12\x1c\n\x14num_running_requests\x18\r \x01(\x03\x12\x1c\n\x14num_waiting_requests\x18\x0e \x01(\x03\x12\x17\n\x0fkv_memory_waste\x18\x0f \x01(\x01\x12\x1f\n\x17step_overhead_median_ms\x18\x10 \x01(\x01\x12\x1c\n\x14step_overhead_p99_ms\x18\x11 \x01(\x01\x12\x11\n\tnum_steps\x18\x12 \x01(\x03\x12\x12\n\nvocab_size\x18\x13 \x01(\x03\x12#\n\x1bprefix_cache_queried_tokens\x18\x14 \x01(\x03\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x15 \x01(\x03\x12\x1a\n\x12\x64\x61ta_parallel_size\x18\x16 \x01(\x03\x12\'\n\x08replicas\x18\x17 \x03(\x0b\x32\x15.kvray.v1.ReplicaInfo\x12\x16\n\x0erouting_policy\x18\x18 \x01(\t\"\xdb\x01\n\x0bReplicaInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\x03\x12\x1c\n\x14num_running_requests\x18\x03 \x01(\x03\x12\x1c\n\x14num_waiting_requests\x18\x04 \x01(\x03\x12#\n\x1bprefix_cache_queried_tokens\x18\x05 \x01(\x03\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x06 \x01(\x03\x12\x1d\n\x15num_requests_finished\x18\x07 \x01(\x03\x32\xce\x01\n\x06\x45ngine\x12\x43\n\x08Generate\x12\x19.kvray.v1.GenerateRequest\x1a\x1a.kvray.v1.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.kvray.v1.AbortRequest\x1a\x17.kvray.v1.AbortResponse\x12\x45\n\rGetServerInfo\x12\x1e.kvray.v1.GetServerInfoRequest\x1a\x14.kvray.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63luster/api/v1/kvray.proto\x12\x08kvray.v1\"\x9b\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x17\n\nmin_tokens\x18\t \x01(\x03H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x03H\t\x88\x01\x01\x12\x37\n\x12structured_outputs\x18\x0e \x01(\x0b\x32\x1b.kvray.v1.StructuredOutputsB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_min_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"\x91\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12#\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x11.kvray.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x01\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43onversation\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.kvray.v1.ChatMessage\"\xd8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.kvray.v1.TokenIdsH\x00\x12.\n\x0c\x63onversation\x18\x06 \x01(\x0b\x32\x16.kvray.v1.ConversationH\x00\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.kvray.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\tB\x08\n\x06prompt\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x03\"\xa9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.kvray.v1.Usage\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.kvray.v1.TokenLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x16\n\x14GetServerInfoRequest\"\x8a\x01\n\x0cKVCacheGroup\x12\x13\n\x0blayer_names\x18\x01 \x03(\t\x12\x11\n\tspec_type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x03\x12\x17\n\x0fpage_size_bytes\x18\x04 \x01(\x03\x12%\n\x1dprefix_cache_group_hit_tokens\x18\x05 \x01(\x03\"\xa0\x05\n\nServerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x02 \x01(\x03\x12\x17\n\x0fkv_cache_layout\x18\x03 \x01(\t\x12\x1c\n\x14scheduler_block_size\x18\x04 \x01(\x03\x12\x17\n\x0fhash_block_size\x18\x05 \x01(\x03\x12&\n\x06groups\x18\x06 \x03(\x0b\x32\x16.kvray.v1.KVCacheGroup\x12\x12\n\nnum_blocks\x18\x07 \x01(\x03\x12\x17\n\x0fnum_free_blocks\x18\x08 \x01(\x03\x12\x17\n\x0f\x63\x61pacity_tokens\x18\t \x01(\x03\x12\x15\n\rmax_model_len\x18\n \x01(\x03\x12\x17\n\x0fmax_concurrency\x18\x0b \x01(\x01\x12\x19\n\x11\x61ttention_backend\x18\x0c \x01(\t\x12\x1c\n\x14num_running_requests\x18\r \x01(\x03\x12\x1c\n\x14num_waiting_requests\x18\x0e \x01(\x03\x12\x17\n\x0fkv_memory_waste\x18\x0f \x01(\x01\x12\x1f\n\x17step_overhead_median_ms\x18\x10 \x01(\x01\x12\x1c\n\x14step_overhead_p99_ms\x18\x11 \x01(\x01\x12\x11\n\tnum_steps\x18\x12 \x01(\x03\x12\x12\n\nvocab_size\x18\x13 \x01(\x03\x12#\n\x1bprefix_cache_queried_tokens\x18\x14 \x01(\x03\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x15 \x01(\x03\x12\x1a\n\x12\x64\x61ta_parallel_size\x18\x16 \x01(\x03\x12\'\n\x08replicas\x18\x17 \x03(\x0b\x32\x15.kvray.v1.ReplicaInfo\x12\x16\n\x0erouting_policy\x18\x18 \x01(\t\"\xdb\x01\n\x0bReplicaInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\x03\x12\x1c\n\x14num_running_requests\x18\x03 \x01(\x03\x12\x1c\n\x14num_waiting_requests\x18\x04 \x01(\x03\x12#\n\x1bprefix_cache_queried_tokens\x18\x05 \x01(\x03\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x06 \x01(\x03\x12\x1d\n\x15num_requests_finished\x18\x07 \x01(\x03\x32\xce\x01\n\x06\x45ngine\x12\x43\n\x08Generate\x12\x19.kvray.v1.GenerateRequest\x1a\x1a.kvray.v1.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.kvray.v1.AbortRequest\x1a\x17.kvray.v1.AbortResponse\x12\x45\n\rGetServerInfo\x12\x1e.kvray.v1.GetServerInfoRequest\x1a\x14.kvray.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,33 +32,37 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cluster.api.v1.kvray_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=41
-  _globals['_SAMPLINGPARAMS']._serialized_end=523
-  _globals['_TOKENLOGPROBS']._serialized_start=525
-  _globals['_TOKENLOGPROBS']._serialized_end=602
-  _globals['_TOKENIDS']._serialized_start=604
-  _globals['_TOKENIDS']._serialized_end=627
-  _globals['_CHATMESSAGE']._serialized_start=629
-  _globals['_CHATMESSAGE']._serialized_end=673
-  _globals['_CONVERSATION']._serialized_start=675
-  _globals['_CONVERSATION']._serialized_end=730
-  _globals['_GENERATEREQUEST']._serialized_start=733
-  _globals['_GENERATEREQUEST']._serialized_end=949
-  _globals['_USAGE']._serialized_start=951
-  _globals['_USAGE']._serialized_end=1038
-  _globals['_GENERATERESPONSE']._serialized_start=1041
-  _globals['_GENERATERESPONSE']._serialized_end=1210
-  _globals['_ABORTREQUEST']._serialized_start=1212
-  _globals['_ABORTREQUEST']._serialized_end=1246
-  _globals['_ABORTRESPONSE']._serialized_start=1248
-  _globals['_ABORTRESPONSE']._serialized_end=1280
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1282
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1304
-  _globals['_KVCACHEGROUP']._serialized_start=1307
-  _globals['_KVCACHEGROUP']._serialized_end=1445
-  _globals['_SERVERINFO']._serialized_start=1448
-  _globals['_SERVERINFO']._serialized_end=2120
-  _globals['_REPLICAINFO']._serialized_start=2123
-  _globals['_REPLICAINFO']._serialized_end=2342
-  _globals['_ENGINE']._serialized_start=2345
-  _globals['_ENGINE']._serialized_end=2551
+  _globals['_SAMPLINGPARAMS']._serialized_end=580
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=583
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=728
+  _globals['_CHOICES']._serialized_start=730
+  _globals['_CHOICES']._serialized_end=756
+  _globals['_TOKENLOGPROBS']._serialized_start=758
+  _globals['_TOKENLOGPROBS']._serialized_end=835
+  _globals['_TOKENIDS']._serialized_start=837
+  _globals['_TOKENIDS']._serialized_end=860
+  _globals['_CHATMESSAGE']._serialized_start=862
+  _globals['_CHATMESSAGE']._serialized_end=906
+  _globals['_CONVERSATION']._serialized_start=908
+  _globals['_CONVERSATION']._serialized_end=963
+  _globals['_GENERATEREQUEST']._serialized_start=966
+  _globals['_GENERATEREQUEST']._serialized_end=1182
+  _globals['_USAGE']._serialized_start=1184
+  _globals['_USAGE']._serialized_end=1271
+  _globals['_GENERATERESPONSE']._serialized_start=1274
+  _globals['_GENERATERESPONSE']._serialized_end=1443
+  _globals['_ABORTREQUEST']._serialized_start=1445
+  _globals['_ABORTREQUEST']._serialized_end=1479
+  _globals['_ABORTRESPONSE']._serialized_start=1481
+  _globals['_ABORTRESPONSE']._serialized_end=1513
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1515
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1537
+  _globals['_KVCACHEGROUP']._serialized_start=1540
+  _globals['_KVCACHEGROUP']._serialized_end=1678
+  _globals['_SERVERINFO']._serialized_start=1681
+  _globals['_SERVERINFO']._serialized_end=2353
+  _globals['_REPLICAINFO']._serialized_start=2356
+  _globals['_REPLICAINFO']._serialized_end=2575
+  _globals['_ENGINE']._serialized_start=2578
+  _globals['_ENGINE']._serialized_end=2784
 # @@protoc_insertion_point(module_scope)

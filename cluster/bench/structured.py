@@ -1,0 +1,132 @@
+"""``python -m cluster.bench.structured``: what structured outputs cost the requests beside
+them, and what masking costs per step.
+
+1. Throughput: a batch of free-text requests decodes beside ``--neighbours`` other requests,
+   first free as well, then constrained (a JSON schema whose one string must be longer than
+   any run decodes, so they stay constrained, and running, to the last token). The batch
+   size and lengths are the same both times, so the difference is what constrained
+   neighbours cost: their masks' filling, the mask applied, the matchers advanced. Figures:
+   the free requests' tokens per second, best of ``--repeats``.
+2. Per step: filling ``C`` bitmasks with xgrammar and applying them to ``[B, vocab]`` logits,
+   timed alone for several ``C`` at this model's vocabulary.
+
+The engine is the one ``kvray serve`` runs (one in-process worker, TP 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+
+import torch
+
+from cluster.config import EngineConfig
+from cluster.local import LocalServer
+from workers.grammar.bitmask import apply_token_bitmask
+from workers.grammar.matchers import GrammarMatchers
+from workers.grammar.vocabulary import grammar_vocabulary
+from workers.structured_outputs import StructuredOutputs
+
+LONG_JSON = json.dumps({
+    "type": "object",
+    "properties": {"notes": {"type": "string", "minLength": 100_000}},
+    "required": ["notes"],
+})  # fmt: skip
+
+
+async def _free_throughput(engine, args, constrained: bool) -> float:
+    """Tokens per second of the free requests, beside the neighbours."""
+    free = engine.sampling_params(
+        {"max_tokens": args.tokens, "ignore_eos": True, "temperature": 1.0}
+    )
+    neighbour_fields = {"max_tokens": args.tokens, "ignore_eos": True, "temperature": 1.0}
+    if constrained:
+        neighbour_fields["structured_outputs"] = StructuredOutputs(json=LONG_JSON)
+    neighbour = engine.sampling_params(neighbour_fields)
+    prompt = "Write down everything you know about the history of computing."
+    requests = [await engine.prepare(prompt, free) for _ in range(args.batch)]
+    others = [await engine.prepare(prompt, neighbour) for _ in range(args.neighbours)]
+
+    async def run(request) -> tuple[int, float]:
+        count = 0
+        async for output in engine.generate(request):
+            count += len(output.token_ids)
+        return count, time.perf_counter()
+
+    started = time.perf_counter()
+    results = await asyncio.gather(*(run(r) for r in requests + others))
+    free_results = results[: args.batch]
+    ended = max(end for _, end in free_results)
+    return sum(count for count, _ in free_results) / (ended - started)
+
+
+def throughput(args) -> dict:
+    config = EngineConfig(
+        model=args.model,
+        kv_cache_memory_bytes=args.kv_cache_memory,
+        port=0,
+        max_model_len=1024,
+    )
+    figures = {"free": [], "constrained": []}
+    with LocalServer(config) as server:
+        server.run(_free_throughput(server.engine, args, True))  # warm-up: vocabulary, compile
+        for _ in range(args.repeats):
+            for kind in figures:
+                rate = server.run(_free_throughput(server.engine, args, kind == "constrained"))
+                figures[kind].append(rate)
+    free, constrained = max(figures["free"]), max(figures["constrained"])
+    return {"free_neighbours_tok_s": free, "constrained_neighbours_tok_s": constrained,
+            "ratio": constrained / free}  # fmt: skip
+
+
+def mask_cost(args) -> list[dict]:
+    from workers.model_source import load_tokenizer_for, model_config_for
+
+    model_config = model_config_for(args.model)
+    tokenizer = load_tokenizer_for(args.model, model_config.eos_token_ids)
+    vocab_size = model_config.vocab_size
+    info = grammar_vocabulary(tokenizer, vocab_size, tokenizer.eos_token_ids)
+    from cluster.structured.compiler import GrammarCompiler
+
+    grammar = GrammarCompiler(tokenizer, vocab_size).compile_now(StructuredOutputs(json=LONG_JSON))
+    prefix = tokenizer.encode('{"notes": "The first', add_special_tokens=False)
+    rows = []
+    for count in (1, 4, 16):
+        matchers = GrammarMatchers(lambda: info)
+        for index in range(count):
+            matchers.add(f"r{index}", grammar)
+        batch = [(f"r{index}", prefix) for index in range(count)]
+        logits = torch.randn(max(count, args.batch + args.neighbours), vocab_size)
+        fills, applies = [], []
+        for _ in range(50):
+            started = time.perf_counter()
+            indices, bitmask = matchers.masks(batch)
+            filled = time.perf_counter()
+            apply_token_bitmask(logits, torch.tensor(indices), bitmask)
+            fills.append(filled - started)
+            applies.append(time.perf_counter() - filled)
+        rows.append({"constrained_rows": count, "vocab": vocab_size,
+                     "fill_us": statistics.median(fills) * 1e6,
+                     "apply_us": statistics.median(applies) * 1e6})  # fmt: skip
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="embedded:smollm2")
+    parser.add_argument("--batch", type=int, default=6, help="free requests")
+    parser.add_argument("--neighbours", type=int, default=2, help="requests beside them")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens each request decodes")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kv-cache-memory", type=int, default=128 << 20)
+    args = parser.parse_args(argv)
+    for row in mask_cost(args):
+        print(json.dumps(row))
+    print(json.dumps(throughput(args)))
+
+
+if __name__ == "__main__":
+    main()
