@@ -93,8 +93,9 @@ class ModelRunner:
         batch = self._schedule(plan)
         if not batch.request_ids:
             return StepResult()
-        hidden, forward_seconds = self._forward(batch)
-        sampled, logprobs, refused = self._sample(batch, hidden)
+        sampled_rows = self._sampled_rows(batch)
+        hidden, forward_seconds = self._forward(batch, sampled_rows)
+        sampled, logprobs, refused = self._sample(sampled_rows, hidden)
         return StepResult(
             sampled=sampled, logprobs=logprobs, forward_seconds=forward_seconds, refused=refused
         )
@@ -143,9 +144,26 @@ class ModelRunner:
             batch.positions.extend(range(start, end))
         return batch
 
-    def _forward(self, batch: StepBatch) -> tuple[torch.Tensor, float]:
+    def _sampled_rows(self, batch: StepBatch) -> tuple[list[str], list[int]]:
+        """The requests whose known tokens are all computed this step (they sample), and the
+        index of each one's last token in the batch."""
+        rows, last_indices = [], []
+        end = 0
+        for request_id, query_len, seq_len in zip(
+            batch.request_ids, batch.query_lens, batch.seq_lens, strict=True
+        ):
+            end += query_len
+            if seq_len == len(self.requests[request_id].token_ids):
+                rows.append(request_id)
+                last_indices.append(end - 1)
+        return rows, last_indices
+
+    def _forward(
+        self, batch: StepBatch, sampled_rows: tuple[list[str], list[int]]
+    ) -> tuple[torch.Tensor, float]:
         """Hidden states ``[T, hidden]``, and the seconds of the model call alone (metadata
-        building counts as step overhead)."""
+        building counts as step overhead). Constrained rows' bitmasks are filled while the
+        device runs the forward (on a CPU, simply after it)."""
         steps = [
             builder.build(batch, table.rows(batch.request_ids))
             for builder, table in zip(self.group_steps, self.block_tables, strict=True)
@@ -158,25 +176,26 @@ class ModelRunner:
                 builder.before_forward()
             started = time.perf_counter()
             hidden = self.model(token_ids, positions)  # [T, hidden]
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # kernels run asynchronously: time them
-            return hidden, time.perf_counter() - started
+            is_async = self.device.type == "cuda"
+            if is_async:  # the kernels are queued: fill the masks while they run
+                self._prepare_masks(sampled_rows[0])
+                torch.cuda.synchronize(self.device)  # ... then time them
+            elapsed = time.perf_counter() - started
+            if not is_async:
+                self._prepare_masks(sampled_rows[0])
+            return hidden, elapsed
+
+    def _prepare_masks(self, rows: list[str]) -> None:
+        if rows and self.sampler.grammars is not None and get_tp_group().is_first_rank:
+            self.sampler.prepare_masks([self._sampling_row(r) for r in rows])
 
     def _sample(
-        self, batch: StepBatch, hidden: torch.Tensor
+        self, sampled_rows: tuple[list[str], list[int]], hidden: torch.Tensor
     ) -> tuple[dict[str, int], dict[str, TokenLogprobs], list[str]]:
         """Tokens for the requests whose known tokens are all computed (rank 0 draws, every
         rank takes its tokens), the log-probabilities asked for and the constrained requests
         whose grammar refused their token (rank 0's)."""
-        rows, last_indices = [], []
-        end = 0
-        for request_id, query_len, seq_len in zip(
-            batch.request_ids, batch.query_lens, batch.seq_lens, strict=True
-        ):
-            end += query_len
-            if seq_len == len(self.requests[request_id].token_ids):
-                rows.append(request_id)
-                last_indices.append(end - 1)
+        rows, last_indices = sampled_rows
         if not rows:
             return {}, {}, []
         with torch.inference_mode():

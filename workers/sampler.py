@@ -59,6 +59,8 @@ class Sampler:
         self.device = torch.device(device)
         self.eos_token_ids = tuple(eos_token_ids)
         self.grammars = grammars  # None: this sampler refuses constrained requests
+        # Bitmasks filled ahead for the next sample_rows (prepare_masks), by its request ids.
+        self._prepared: tuple[tuple[str, ...], tuple[list[int], torch.Tensor] | None] | None = None
         self._generators: dict[str, torch.Generator] = {}
         self._shared = torch.Generator(device=self.device)
         self._shared.seed()
@@ -113,10 +115,24 @@ class Sampler:
             refused = self.grammars.accept([rows[i].request_id for i in indices], chosen)
         return Sampled(tokens, _logprobs(model_logits, rows, tokens), refused)
 
+    def prepare_masks(self, rows: list[SamplingRow]) -> None:
+        """Fill the constrained rows' bitmasks now, for the ``sample_rows`` of these rows
+        that follows: the runner calls this while the device runs the forward, so the CPU
+        work of filling overlaps it."""
+        self._prepared = None
+        masks = self._constrained_rows(rows)
+        self._prepared = (tuple(row.request_id for row in rows), masks)
+
     def _constrained_rows(self, rows: list[SamplingRow]) -> tuple[list[int], torch.Tensor] | None:
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared[0] == tuple(row.request_id for row in rows):
+            return prepared[1]
         if self.grammars is None or not any(row.params.is_constrained for row in rows):
             return None
-        return self.grammars.masks([(row.request_id, row.output_ids) for row in rows])
+        masks = self.grammars.masks([(row.request_id, row.output_ids) for row in rows])
+        if masks is not None and self.device.type == "cuda":
+            masks = (masks[0], masks[1].pin_memory())  # so the copy to the device is async
+        return masks
 
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         params = [row.params for row in rows]
