@@ -32,6 +32,16 @@ def add_parser(commands, common) -> None:
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--stop", action="append", default=None, help="a stop string (repeat)")
     generate.add_argument("--ignore-eos", action="store_true")
+    constraint = generate.add_mutually_exclusive_group()
+    constraint.add_argument(
+        "--json-schema", help="the output must match this JSON schema (JSON text, or @FILE)"
+    )
+    constraint.add_argument("--json-object", action="store_true", help="output any JSON object")
+    constraint.add_argument("--regex", help="the output must match this regular expression")
+    constraint.add_argument(
+        "--choice", action="append", default=None, help="the output is one of these (repeat)"
+    )
+    constraint.add_argument("--grammar", help="the output must match this EBNF grammar (or @FILE)")
     generate.add_argument(
         "--output",
         choices=["text", "json"],
@@ -71,7 +81,28 @@ def _sampling(args) -> dict:
         seed=args.seed,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
+        structured_outputs=_constraint(args),
     )
+
+
+def _constraint(args) -> dict | None:
+    """The --json-schema / --json-object / --regex / --choice / --grammar given, if any."""
+    if args.json_object:
+        return {"json_object": True}
+    if args.choice:
+        return {"choice": args.choice}
+    for kind, value in (("json", args.json_schema), ("regex", args.regex),
+                        ("grammar", args.grammar)):  # fmt: skip
+        if value is not None:
+            return {kind: _text_or_file(value)}
+    return None
+
+
+def _text_or_file(value: str) -> str:
+    if not value.startswith("@"):
+        return value
+    with open(value[1:], encoding="utf-8") as file:
+        return file.read()
 
 
 def _prompt(args):

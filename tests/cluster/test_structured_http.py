@@ -302,3 +302,21 @@ def test_the_grpc_client_takes_the_same_constraints(server):
             grpc_client.generate("x", max_tokens=8, structured_outputs={"regex": "(x"})
         with pytest.raises(TypeError, match="structured_outputs takes one of"):
             grpc_client.generate("x", structured_outputs={"regex": "a", "grammar": "b"})
+
+
+def test_auto_tool_calls_are_parsed_from_the_models_own_format(client):
+    """tool_choice "auto" with the hermes parser: an answer written in Hermes' format (here
+    forced by a regex, since the model is random) comes back as tool_calls, whole and
+    streamed, with the text before the call as content."""
+    pattern = r'Checking\.<tool_call>\{"name": "get_time", "arguments": \{\}\}</tool_call>'
+    call = dict(model=MODEL, messages=MESSAGES, max_tokens=80, tools=[WEATHER, CLOCK],
+                extra_body={"structured_outputs": {"regex": pattern}})  # fmt: skip
+    choice = client.chat.completions.create(**call).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    (tool_call,) = choice.message.tool_calls
+    assert tool_call.function.name == "get_time" and json.loads(tool_call.function.arguments) == {}
+    chunks = [c.choices[0] for c in client.chat.completions.create(**call, stream=True)]
+    assert "".join(c.delta.content or "" for c in chunks) == "Checking."
+    (streamed,) = [d for c in chunks for d in (c.delta.tool_calls or [])]
+    assert streamed.function.name == "get_time" and streamed.id.startswith("call_")
+    assert chunks[-1].finish_reason == "tool_calls"
