@@ -144,3 +144,24 @@ def test_refused_keywords_are_found_in_subschemas_only_where_schemas_sit():
     with pytest.raises(InvalidRequestError, match="only references within the schema"):
         prepare_schema({"$ref": "https://example.com/schema.json"}, "p")
     assert set(UNENFORCED) >= set(UNENFORCED_PROBES)
+
+
+def test_a_checkpoints_vocabulary_is_described_as_from_transformers(tmp_path):
+    """kvray's tokenizer, described to xgrammar, equals what xgrammar makes of transformers'
+    tokenizer for the same checkpoint (so grammars mean the same tokens as in vLLM)."""
+    from transformers import AutoTokenizer
+
+    from tests.cluster.chat_model import save_chat_model
+    from workers.model_source import load_tokenizer_for, model_config_for
+
+    directory = save_chat_model(tmp_path)
+    config = model_config_for(str(directory))
+    ours = grammar_vocabulary(
+        load_tokenizer_for(str(directory), config.eos_token_ids), config.vocab_size, (258,)
+    )
+    theirs = xgrammar.TokenizerInfo.from_huggingface(
+        AutoTokenizer.from_pretrained(directory), vocab_size=config.vocab_size, stop_token_ids=[258]
+    )
+    assert ours.vocab_type == theirs.vocab_type and ours.vocab_size == theirs.vocab_size == 300
+    assert ours.add_prefix_space == theirs.add_prefix_space
+    assert ours.decoded_vocab == theirs.decoded_vocab

@@ -5,7 +5,6 @@ cannot silently disagree on what a token id spells."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
 from workers.tokenizer import ByteTokenizer, HFTokenizer
@@ -53,18 +52,10 @@ def grammar_vocabulary(tokenizer, vocab_size: int, stop_token_ids: Sequence[int]
 
 def _encoding_of(tokenizer_json: str):
     """How token strings spell bytes (GPT-2 byte-level, SentencePiece byte fallback, or as
-    they are) and whether the tokenizer prepends a space, read from its decoder: decoding is
-    what turns token strings back into text."""
+    they are) and whether the tokenizer prepends a space: xgrammar's own reading of a
+    ``tokenizer.json`` (what its ``from_huggingface`` uses, so a kvray tokenizer is described
+    as transformers' would be)."""
     import xgrammar
 
-    decoder = json.loads(tokenizer_json).get("decoder") or {}
-    parts = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
-    types = {part.get("type") for part in parts}
-    if "ByteLevel" in types:
-        return xgrammar.VocabType.BYTE_LEVEL, False
-    if "ByteFallback" in types:
-        # SentencePiece's "▁" marks a space; Strip(1) in the decoder drops the leading one
-        # that the pre-tokenizer added.
-        strips_start = any(part.get("type") == "Strip" and part.get("start") for part in parts)
-        return xgrammar.VocabType.BYTE_FALLBACK, strips_start
-    return xgrammar.VocabType.RAW, False
+    metadata = xgrammar.TokenizerInfo._detect_metadata_from_hf(tokenizer_json)
+    return metadata["vocab_type"], metadata["add_prefix_space"]
