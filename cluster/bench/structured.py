@@ -8,7 +8,9 @@ them, and what masking costs per step.
    neighbours cost: their masks' filling, the mask applied, the matchers advanced. Figures:
    the free requests' tokens per second, best of ``--repeats``.
 2. Per step: filling ``C`` bitmasks with xgrammar and applying them to ``[B, vocab]`` logits,
-   timed alone for several ``C`` at this model's vocabulary.
+   timed alone for several ``C`` at this model's vocabulary; and the sampler's whole step
+   (``Sampler.sample_rows``, the model's default sampling) for ``--batch + --neighbours`` rows,
+   none or ``--neighbours`` of them constrained, median of 60 steps.
 
 The engine is the one ``kvray serve`` runs (one in-process worker, TP 1).
 """
@@ -28,6 +30,7 @@ from cluster.local import LocalServer
 from workers.grammar.bitmask import apply_token_bitmask
 from workers.grammar.matchers import GrammarMatchers
 from workers.grammar.vocabulary import grammar_vocabulary
+from workers.sampling import SamplingParams
 from workers.structured_outputs import StructuredOutputs
 
 LONG_JSON = json.dumps({
@@ -114,6 +117,49 @@ def mask_cost(args) -> list[dict]:
     return rows
 
 
+def sampler_step(args) -> dict:
+    from cluster.structured.compiler import GrammarCompiler
+    from workers.model_source import load_tokenizer_for, model_config_for
+    from workers.sampler import Sampler, SamplingRow
+
+    model_config = model_config_for(args.model)
+    tokenizer = load_tokenizer_for(args.model, model_config.eos_token_ids)
+    vocab_size = model_config.vocab_size
+    info = grammar_vocabulary(tokenizer, vocab_size, tokenizer.eos_token_ids)
+    spec = StructuredOutputs(json=LONG_JSON)
+    grammar = GrammarCompiler(tokenizer, vocab_size).compile_now(spec)
+    defaults = {"temperature": 1.0, **(model_config.default_sampling or {})}
+    free, constrained = (
+        SamplingParams(**defaults),
+        SamplingParams(**defaults, structured_outputs=spec),
+    )
+
+    def median_step_ms(num_constrained: int) -> float:
+        sampler = Sampler("cpu", tokenizer.eos_token_ids, GrammarMatchers(lambda: info))
+        params = [
+            constrained if i < num_constrained else free
+            for i in range(args.batch + args.neighbours)
+        ]
+        outputs = [[] for _ in params]
+        for index, p in enumerate(params):
+            sampler.add_request(str(index), p, grammar if p is constrained else None)
+        times = []
+        for _ in range(60):
+            rows = [SamplingRow(str(i), p, [1], outputs[i]) for i, p in enumerate(params)]
+            logits = torch.randn(len(params), vocab_size)
+            started = time.perf_counter()
+            tokens = sampler.sample_rows(logits, rows).tokens.tolist()
+            times.append(time.perf_counter() - started)
+            for out, token in zip(outputs, tokens, strict=True):
+                out.append(token)
+        return statistics.median(times) * 1e3
+
+    free_ms = min(median_step_ms(0) for _ in range(2))
+    constrained_ms = min(median_step_ms(args.neighbours) for _ in range(2))
+    return {"rows": args.batch + args.neighbours, "constrained": args.neighbours,
+            "sample_ms_free": free_ms, "sample_ms_with_constrained": constrained_ms}  # fmt: skip
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="embedded:smollm2")
@@ -125,6 +171,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     for row in mask_cost(args):
         print(json.dumps(row))
+    print(json.dumps(sampler_step(args)))
     print(json.dumps(throughput(args)))
 
 

@@ -8,7 +8,12 @@ CPU, through their Python APIs); it serializes a compiled grammar (sent to the s
 and its matchers roll back. It is also vLLM's and SGLang's default.
 
 JSON is compact, as ``json.dumps`` writes it (", " and ": ", no other whitespace): a small
-model let loose on "any whitespace" can spend its whole budget on newlines.
+model let loose on "any whitespace" can spend its whole budget on newlines. A schema becomes
+xgrammar's EBNF, then one repair: xgrammar (0.2.9) writes the characters of a string with
+``minLength``/``maxLength`` as anything but quote, backslash and line breaks, so other control
+characters would come out raw, which is not JSON; they are excluded. (Writing the bounds as a
+``pattern`` instead would work too, but a regex repeated 100000 times compiles for seconds and
+fills masks ever slower.)
 """
 
 from __future__ import annotations
@@ -19,9 +24,7 @@ import re
 import threading
 from collections import OrderedDict
 
-import msgspec
-
-from cluster.structured.schema_check import prepare_schema
+from cluster.structured.schema_check import check_schema
 from cluster.validation import InvalidRequestError
 from workers.grammar.vocabulary import NoGrammarVocabularyError, grammar_vocabulary
 from workers.structured_outputs import FIELD, StructuredOutputs
@@ -66,7 +69,7 @@ class GrammarCompiler:
                 raise InvalidRequestError(
                     f"The JSON schema is not JSON: {exc}", param=param
                 ) from None
-            spec = msgspec.structs.replace(spec, json=json.dumps(prepare_schema(schema, param)))
+            check_schema(schema, param)
         compiler = self._xgrammar_compiler()
         try:
             compiled = _compile(compiler, spec)
@@ -104,14 +107,27 @@ DESCRIPTIONS = {
 def _compile(compiler, spec: StructuredOutputs):
     kind = spec.kind
     if kind == "json":
-        return compiler.compile_json_schema(spec.json, any_whitespace=False)
+        return compiler.compile_grammar(json_grammar(spec.json))
     if kind == "json_object":  # any object: extra properties are the point
-        return compiler.compile_json_schema(OBJECT_SCHEMA, any_whitespace=False, strict_mode=False)
+        return compiler.compile_grammar(json_grammar(OBJECT_SCHEMA, strict=False))
     if kind == "regex":
         return compiler.compile_regex(spec.regex)
     if kind == "choice":
         return compiler.compile_grammar(choice_grammar(spec.choice))
     return compiler.compile_grammar(spec.grammar)
+
+
+# xgrammar's character class for a length-bounded string, and the one JSON allows there.
+_BOUNDED_STRING_CHARACTER = r"(([^\"\\\r\n]))"
+_JSON_STRING_CHARACTER = r"(([^\0-\x1f\"\\]))"
+
+
+def json_grammar(schema: str, strict: bool = True) -> str:
+    """The EBNF of a JSON schema (compact JSON), bounded strings repaired (see above)."""
+    import xgrammar
+
+    grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
+    return str(grammar).replace(_BOUNDED_STRING_CHARACTER, _JSON_STRING_CHARACTER)
 
 
 def choice_grammar(choices: tuple[str, ...]) -> str:

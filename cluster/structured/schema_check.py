@@ -1,13 +1,9 @@
-"""A request's JSON schema made ready for xgrammar (``prepare_schema``): keywords xgrammar
-accepts but does not enforce are refused by name, since a constraint that silently does not
-hold is worse than a clear 400; and string lengths are rewritten into a pattern. The list is
-what a probe of each keyword found (tests/cluster/test_structured_compile.py keeps it honest):
-an instance breaking the keyword still matched the compiled grammar.
-
-Strings with ``minLength``/``maxLength``: xgrammar (0.2.9) writes their characters as any but
-quote, backslash and line breaks, so other control characters come out raw, which is not
-JSON. The same bounds as a pattern exclude them (and, as before, escapes); a pattern together
-with a length is refused, since xgrammar would drop the length.
+"""Checking a request's JSON schema before xgrammar compiles it (``check_schema``): keywords
+xgrammar accepts but does not enforce are refused by name, since a constraint that silently does not
+hold is worse than a clear 400. The list is what a probe of each keyword found
+(tests/cluster/test_structured_compile.py keeps it honest): an instance breaking the keyword
+still matched the compiled grammar. So is a string's ``minLength``/``maxLength`` beside a
+``pattern`` or ``format``: xgrammar keeps the pattern and drops the length.
 
 Annotations (``title``, ``description``, ``default``, ``examples``, ``$schema``...) are not
 constraints and pass.
@@ -38,12 +34,11 @@ SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
-def prepare_schema(schema: object, param: str, path: str = "#"):
-    """``schema`` (parsed JSON) as xgrammar should compile it; InvalidRequestError if it, or
-    any subschema, uses a keyword the grammar would not enforce, or a ``$ref`` outside the
-    document."""
+def check_schema(schema: object, param: str, path: str = "#") -> None:
+    """InvalidRequestError if ``schema`` (parsed JSON), or any subschema, uses a keyword the
+    grammar would not enforce, or a ``$ref`` outside the document."""
     if isinstance(schema, bool):
-        return schema
+        return
     if not isinstance(schema, dict):
         raise InvalidRequestError(
             f"The JSON schema at {path} must be an object or a boolean, got "
@@ -64,48 +59,22 @@ def prepare_schema(schema: object, param: str, path: str = "#"):
             "('#/...') are supported.",
             param=param,
         )
-    schema = _string_lengths_as_pattern(schema, param, path)
-    for keyword in ONE_SCHEMA:
-        if isinstance(schema.get(keyword), (dict, bool)):
-            schema[keyword] = prepare_schema(schema[keyword], param, f"{path}/{keyword}")
-    for keyword in SCHEMA_LISTS:
-        if isinstance(schema.get(keyword), list):
-            schema[keyword] = [
-                prepare_schema(item, param, f"{path}/{keyword}/{index}")
-                for index, item in enumerate(schema[keyword])
-            ]
-    for keyword in SCHEMA_MAPS:
-        if isinstance(schema.get(keyword), dict):
-            schema[keyword] = {
-                name: prepare_schema(item, param, f"{path}/{keyword}/{name}")
-                for name, item in schema[keyword].items()
-            }
-    return schema
-
-
-# JSON string characters with no escape: anything but control characters, quote, backslash.
-_PLAIN_CHARACTER = '[^\\x00-\\x1f"\\\\]'
-
-
-def _string_lengths_as_pattern(schema: dict, param: str, path: str) -> dict:
-    """A copy of ``schema``, its string length bounds written as a pattern."""
-    schema = dict(schema)
-    low, high = schema.get("minLength"), schema.get("maxLength")
-    if low is None and high is None:
-        return schema
-    if "pattern" in schema or "format" in schema:
+    has_length = "minLength" in schema or "maxLength" in schema
+    if has_length and ("pattern" in schema or "format" in schema):
         raise InvalidRequestError(
             f"The JSON schema at {path} bounds a string's length beside a pattern or format, "
             "which kvray's structured outputs cannot enforce together; write the length into "
             "the pattern.",
             param=param,
         )
-    if not all(isinstance(v, int) and v >= 0 for v in (low or 0, high or 0)):
-        raise InvalidRequestError(
-            f"minLength and maxLength at {path} must be non-negative integers", param=param
-        )
-    schema.pop("minLength", None)
-    schema.pop("maxLength", None)
-    bounds = f"{low or 0},{'' if high is None else high}"
-    schema["pattern"] = f"^{_PLAIN_CHARACTER}{{{bounds}}}$"
-    return schema
+    for keyword in ONE_SCHEMA:
+        if isinstance(schema.get(keyword), (dict, bool)):
+            check_schema(schema[keyword], param, f"{path}/{keyword}")
+    for keyword in SCHEMA_LISTS:
+        if isinstance(schema.get(keyword), list):
+            for index, item in enumerate(schema[keyword]):
+                check_schema(item, param, f"{path}/{keyword}/{index}")
+    for keyword in SCHEMA_MAPS:
+        if isinstance(schema.get(keyword), dict):
+            for name, item in schema[keyword].items():
+                check_schema(item, param, f"{path}/{keyword}/{name}")

@@ -11,7 +11,7 @@ import pytest
 import xgrammar
 
 from cluster.structured.compiler import GrammarCompiler
-from cluster.structured.schema_check import UNENFORCED, prepare_schema
+from cluster.structured.schema_check import UNENFORCED, check_schema
 from cluster.validation import InvalidRequestError
 from workers.grammar.vocabulary import grammar_vocabulary
 from workers.request_limits import RequestFieldError
@@ -130,19 +130,19 @@ def test_refused_keywords_are_ones_xgrammar_ignores(keyword):
     ).compile_json_schema(json.dumps(schema), any_whitespace=False)
     assert matches(compiled.serialize_json().encode(), breaking)
     with pytest.raises(InvalidRequestError, match=f"'{keyword}'"):
-        prepare_schema(schema, "response_format")
+        check_schema(schema, "response_format")
 
 
 def test_refused_keywords_are_found_in_subschemas_only_where_schemas_sit():
     nested = {"type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}}
     with pytest.raises(InvalidRequestError, match="'uniqueItems' at #/properties/xs"):
-        prepare_schema(nested, "p")
+        check_schema(nested, "p")
     with pytest.raises(InvalidRequestError, match=r"'not' at #/\$defs/d/anyOf/1"):
-        prepare_schema({"$defs": {"d": {"anyOf": [{}, {"not": {}}]}}}, "p")
+        check_schema({"$defs": {"d": {"anyOf": [{}, {"not": {}}]}}}, "p")
     # Properties named like keywords are names, not keywords.
-    prepare_schema({"type": "object", "properties": {"not": {}, "allOf": {}, "if": {}}}, "p")
+    check_schema({"type": "object", "properties": {"not": {}, "allOf": {}, "if": {}}}, "p")
     with pytest.raises(InvalidRequestError, match="only references within the schema"):
-        prepare_schema({"$ref": "https://example.com/schema.json"}, "p")
+        check_schema({"$ref": "https://example.com/schema.json"}, "p")
     assert set(UNENFORCED) >= set(UNENFORCED_PROBES)
 
 
