@@ -88,3 +88,14 @@ def metrics(server) -> dict[tuple[str, tuple], float]:
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
+
+
+def chat_answer(client, call: dict, stream: bool) -> tuple[str, str]:
+    """(content, finish reason) of one chat completion through the openai client, whole or
+    gathered from its stream."""
+    if not stream:
+        choice = client.chat.completions.create(**call).choices[0]
+        return choice.message.content, choice.finish_reason
+    stream_chunks = client.chat.completions.create(**call, stream=True)
+    chunks = [chunk.choices[0] for chunk in stream_chunks if chunk.choices]
+    return "".join(c.delta.content or "" for c in chunks), chunks[-1].finish_reason

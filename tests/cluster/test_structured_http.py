@@ -18,7 +18,7 @@ from cluster.config import EngineConfig
 from cluster.http.protocol import ChatCompletionRequest
 from cluster.local import LocalServer
 from tests.cluster.chat_model import save_chat_model
-from tests.cluster.http_helpers import wait_until_idle
+from tests.cluster.http_helpers import chat_answer, wait_until_idle
 from workers.chat_template import render_chat
 
 MODEL = "tiny-chat"
@@ -94,13 +94,7 @@ def test_json_schema_answers_validate(client, stream):
     for seed in range(3):
         call = dict(model=MODEL, messages=MESSAGES, max_tokens=120, temperature=1.0, seed=seed,
                     response_format=json_schema_format(PERSON))  # fmt: skip
-        if stream:
-            chunks = list(client.chat.completions.create(**call, stream=True))
-            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
-        else:
-            choice = client.chat.completions.create(**call).choices[0]
-            text, finish = choice.message.content, choice.finish_reason
+        text, finish = chat_answer(client, call, stream)
         assert finish == "stop", text
         jsonschema.validate(json.loads(text), PERSON)
 

@@ -15,7 +15,7 @@ import pytest
 
 from cluster.config import EngineConfig
 from cluster.local import LocalServer
-from tests.cluster.http_helpers import wait_until_idle
+from tests.cluster.http_helpers import chat_answer, wait_until_idle
 
 MODEL = "smollm2"
 PERSON = {
@@ -71,13 +71,7 @@ def test_json_schema_answers_validate_for_several_seeds(client):
         call = dict(model=MODEL, messages=ASK_PERSON, max_tokens=200, temperature=1.0,
                     seed=seed, response_format={"type": "json_schema", "json_schema": {
                         "name": "person", "schema": PERSON, "strict": True}})  # fmt: skip
-        if stream:
-            chunks = [c.choices[0] for c in client.chat.completions.create(**call, stream=True)]
-            text = "".join(c.delta.content or "" for c in chunks)
-            finish = chunks[-1].finish_reason
-        else:
-            choice = client.chat.completions.create(**call).choices[0]
-            text, finish = choice.message.content, choice.finish_reason
+        text, finish = chat_answer(client, call, stream)
         assert finish == "stop", text
         jsonschema.validate(json.loads(text), PERSON)
 
