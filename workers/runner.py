@@ -25,7 +25,7 @@ from workers.group_step import GroupContext, GroupStepBuilder, StepBatch, StepLi
 from workers.kinds import kind_of_spec
 from workers.parallel import broadcast_from_first, get_tp_group
 from workers.protocol import NewRequest, RequestDelta, StepPlan, StepResult, TokenLogprobs
-from workers.sampler import Sampler, SamplingRow
+from workers.sampler import GrammarMasks, Sampler, SamplingRow
 from workers.sampling import SamplingParams
 
 
@@ -93,9 +93,11 @@ class ModelRunner:
         batch = self._schedule(plan)
         if not batch.request_ids:
             return StepResult()
-        sampled_rows = self._sampled_rows(batch)
-        hidden, forward_seconds = self._forward(batch, sampled_rows)
-        sampled, logprobs, refused = self._sample(sampled_rows, hidden)
+        request_ids, last_indices = self._sampled_rows(batch)
+        # The rows rank 0 samples, made once: their bitmasks are filled during the forward.
+        rows = [self._sampling_row(r) for r in request_ids] if get_tp_group().is_first_rank else []
+        hidden, forward_seconds, masks = self._forward(batch, rows)
+        sampled, logprobs, refused = self._sample(request_ids, last_indices, rows, masks, hidden)
         return StepResult(
             sampled=sampled, logprobs=logprobs, forward_seconds=forward_seconds, refused=refused
         )
@@ -159,11 +161,11 @@ class ModelRunner:
         return rows, last_indices
 
     def _forward(
-        self, batch: StepBatch, sampled_rows: tuple[list[str], list[int]]
-    ) -> tuple[torch.Tensor, float]:
-        """Hidden states ``[T, hidden]``, and the seconds of the model call alone (metadata
-        building counts as step overhead). Constrained rows' bitmasks are filled while the
-        device runs the forward (on a CPU, simply after it)."""
+        self, batch: StepBatch, rows: list[SamplingRow]
+    ) -> tuple[torch.Tensor, float, GrammarMasks | None]:
+        """Hidden states ``[T, hidden]``, the seconds of the model call alone (metadata
+        building counts as step overhead), and the bitmasks of ``rows`` that are constrained,
+        filled while the device runs the forward (on a CPU, simply after it)."""
         steps = [
             builder.build(batch, table.rows(batch.request_ids))
             for builder, table in zip(self.group_steps, self.block_tables, strict=True)
@@ -177,40 +179,41 @@ class ModelRunner:
             started = time.perf_counter()
             hidden = self.model(token_ids, positions)  # [T, hidden]
             is_async = self.device.type == "cuda"
+            masks = None
             if is_async:  # the kernels are queued: fill the masks while they run
-                self._prepare_masks(sampled_rows[0])
+                masks = self.sampler.fill_masks(rows)
                 torch.cuda.synchronize(self.device)  # ... then time them
             elapsed = time.perf_counter() - started
             if not is_async:
-                self._prepare_masks(sampled_rows[0])
-            return hidden, elapsed
-
-    def _prepare_masks(self, rows: list[str]) -> None:
-        if rows and self.sampler.grammars is not None and get_tp_group().is_first_rank:
-            self.sampler.prepare_masks([self._sampling_row(r) for r in rows])
+                masks = self.sampler.fill_masks(rows)
+            return hidden, elapsed, masks
 
     def _sample(
-        self, sampled_rows: tuple[list[str], list[int]], hidden: torch.Tensor
+        self,
+        request_ids: list[str],
+        last_indices: list[int],
+        rows: list[SamplingRow],
+        masks: GrammarMasks | None,
+        hidden: torch.Tensor,
     ) -> tuple[dict[str, int], dict[str, TokenLogprobs], list[str]]:
-        """Tokens for the requests whose known tokens are all computed (rank 0 draws, every
-        rank takes its tokens), the log-probabilities asked for and the constrained requests
-        whose grammar refused their token (rank 0's)."""
-        rows, last_indices = sampled_rows
-        if not rows:
+        """Tokens for the requests whose known tokens are all computed (rank 0 draws from
+        ``rows``, every rank takes its tokens), the log-probabilities asked for and the
+        constrained requests whose grammar refused their token (rank 0's)."""
+        if not request_ids:
             return {}, {}, []
         with torch.inference_mode():
             logits = self.model.compute_logits(hidden[last_indices])  # [R, vocab]
         logprobs, refused = {}, []
         if get_tp_group().is_first_rank:
-            sampled = self.sampler.sample_rows(logits, [self._sampling_row(r) for r in rows])
+            sampled = self.sampler.sample_rows(logits, rows, masks)
             tokens, logprobs = sampled.tokens, sampled.logprobs  # [R] int64 on self.device
             refused = sampled.refused
         else:
-            tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
+            tokens = torch.empty(len(request_ids), dtype=torch.int64, device=self.device)
         tokens = broadcast_from_first(tokens).tolist()
-        for request_id, token in zip(rows, tokens, strict=True):
+        for request_id, token in zip(request_ids, tokens, strict=True):
             self.requests[request_id].token_ids.append(token)
-        return dict(zip(rows, tokens, strict=True)), logprobs, refused
+        return dict(zip(request_ids, tokens, strict=True)), logprobs, refused
 
     def _sampling_row(self, request_id: str) -> SamplingRow:
         state = self.requests[request_id]

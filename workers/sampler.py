@@ -27,6 +27,8 @@ from workers.protocol import TokenLogprobs
 from workers.sampling import MIN_TEMPERATURE, SamplingParams
 
 _SEED_MASK = (1 << 64) - 1  # torch seeds are unsigned 64-bit; any int64 maps onto one
+# The rows a grammar constrains (indices into a step's rows) and their int32 bitmasks.
+GrammarMasks = tuple[list[int], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,6 @@ class Sampler:
         self.device = torch.device(device)
         self.eos_token_ids = tuple(eos_token_ids)
         self.grammars = grammars  # None: this sampler refuses constrained requests
-        # Bitmasks filled ahead for the next sample_rows (prepare_masks), by its request ids.
-        self._prepared: tuple[tuple[str, ...], tuple[list[int], torch.Tensor] | None] | None = None
         self._generators: dict[str, torch.Generator] = {}
         self._shared = torch.Generator(device=self.device)
         self._shared.seed()
@@ -95,38 +95,34 @@ class Sampler:
         rows = [SamplingRow(r, p, (), ()) for r, p in zip(request_ids, params, strict=True)]
         return self.sample_rows(logits, rows).tokens
 
-    def sample_rows(self, logits: torch.Tensor, rows: list[SamplingRow]) -> Sampled:
-        """One token per row of ``logits`` ``[R, vocab]``."""
+    def sample_rows(
+        self, logits: torch.Tensor, rows: list[SamplingRow], masks: GrammarMasks | None = None
+    ) -> Sampled:
+        """One token per row of ``logits`` ``[R, vocab]``. ``masks``: the constrained rows'
+        bitmasks, filled ahead by ``fill_masks`` (None: filled here when a row needs one)."""
         model_logits = logits
         logits = logits.float()  # the processors below make new tensors: the model's stay
         if any(row.params.has_penalties for row in rows):
             logits = _apply_penalties(logits, rows)
-        constrained = self._constrained_rows(rows)
-        if constrained:
-            indices, bitmask = constrained
+        if masks is None:
+            masks = self.fill_masks(rows)
+        if masks is not None:
+            indices, bitmask = masks
             rows_index = torch.tensor(indices, dtype=torch.int64, device=logits.device)
             logits = apply_token_bitmask(logits, rows_index, bitmask)
         if any(len(row.output_ids) < row.params.min_tokens for row in rows):
             logits = _hold_back_stops(logits, rows, self.eos_token_ids)
         tokens = self._choose(logits, rows)
         refused = []
-        if constrained:
+        if masks is not None:
             chosen = tokens.index_select(0, rows_index).tolist()
             refused = self.grammars.accept([rows[i].request_id for i in indices], chosen)
         return Sampled(tokens, _logprobs(model_logits, rows, tokens), refused)
 
-    def prepare_masks(self, rows: list[SamplingRow]) -> None:
-        """Fill the constrained rows' bitmasks now, for the ``sample_rows`` of these rows
-        that follows: the runner calls this while the device runs the forward, so the CPU
-        work of filling overlaps it."""
-        self._prepared = None
-        masks = self._constrained_rows(rows)
-        self._prepared = (tuple(row.request_id for row in rows), masks)
-
-    def _constrained_rows(self, rows: list[SamplingRow]) -> tuple[list[int], torch.Tensor] | None:
-        prepared, self._prepared = self._prepared, None
-        if prepared is not None and prepared[0] == tuple(row.request_id for row in rows):
-            return prepared[1]
+    def fill_masks(self, rows: list[SamplingRow]) -> GrammarMasks | None:
+        """The bitmasks of the rows a grammar constrains now (their indices, ``[C, W]``
+        int32 on the CPU), or None; a step without constrained rows costs one ``any``. The
+        runner calls this while the device runs the forward, so the CPU work overlaps it."""
         if self.grammars is None or not any(row.params.is_constrained for row in rows):
             return None
         masks = self.grammars.masks([(row.request_id, row.output_ids) for row in rows])

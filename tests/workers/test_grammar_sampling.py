@@ -167,16 +167,16 @@ def test_sampler_without_grammar_support_refuses_a_constrained_request():
 
 
 def test_masks_filled_ahead_are_the_ones_used():
-    """The runner fills masks while the device runs the forward; sampling the same rows uses
-    them (the matcher advances once), and rows that differ fill afresh."""
+    """The runner fills masks while the device runs the forward; sampling with them advances
+    the matcher once, as sampling without them does."""
     spec, grammar = compiled(regex="ab")
     sampler = constrained_sampler()
     params = SamplingParams(temperature=1.0, structured_outputs=spec)
     sampler.add_request("r", params, grammar)
-    rows = [SamplingRow("r", params, [1], [])]
-    sampler.prepare_masks(rows)
     logits = torch.zeros((1, VOCAB))
-    assert sampler.sample_rows(logits, rows).tokens.tolist() == [ord("a")]
+    rows = [SamplingRow("r", params, [1], [])]
+    masks = sampler.fill_masks(rows)
+    assert sampler.sample_rows(logits, rows, masks).tokens.tolist() == [ord("a")]
     rows = [SamplingRow("r", params, [1], [ord("a")])]
-    sampler.prepare_masks([SamplingRow("other", SamplingParams(), [1], [])])  # not these rows
     assert sampler.sample_rows(logits, rows).tokens.tolist() == [ord("b")]
+    assert sampler.fill_masks([SamplingRow("free", SamplingParams(), [1], [])]) is None
