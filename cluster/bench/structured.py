@@ -22,14 +22,18 @@ import asyncio
 import json
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
 from cluster.config import EngineConfig
 from cluster.local import LocalServer
+from cluster.structured.compiler import GrammarCompiler
 from workers.grammar.bitmask import apply_token_bitmask
 from workers.grammar.matchers import GrammarMatchers
 from workers.grammar.vocabulary import grammar_vocabulary
+from workers.model_source import load_tokenizer_for, model_config_for
+from workers.sampler import Sampler, SamplingRow
 from workers.sampling import SamplingParams
 from workers.structured_outputs import StructuredOutputs
 
@@ -85,24 +89,42 @@ def throughput(args) -> dict:
             "ratio": constrained / free}  # fmt: skip
 
 
-def mask_cost(args) -> list[dict]:
-    from workers.model_source import load_tokenizer_for, model_config_for
+@dataclass(frozen=True)
+class GrammarSetup:
+    """The model's tokenizer as xgrammar sees it, and LONG_JSON compiled against it."""
 
-    model_config = model_config_for(args.model)
-    tokenizer = load_tokenizer_for(args.model, model_config.eos_token_ids)
-    vocab_size = model_config.vocab_size
-    info = grammar_vocabulary(tokenizer, vocab_size, tokenizer.eos_token_ids)
-    from cluster.structured.compiler import GrammarCompiler
+    model_config: object
+    tokenizer: object
+    vocabulary: object  # xgrammar.TokenizerInfo
+    spec: StructuredOutputs
+    grammar: bytes
 
-    grammar = GrammarCompiler(tokenizer, vocab_size).compile_now(StructuredOutputs(json=LONG_JSON))
-    prefix = tokenizer.encode('{"notes": "The first', add_special_tokens=False)
+    @classmethod
+    def of(cls, model: str) -> GrammarSetup:
+        model_config = model_config_for(model)
+        tokenizer = load_tokenizer_for(model, model_config.eos_token_ids)
+        vocabulary = grammar_vocabulary(tokenizer, model_config.vocab_size, tokenizer.eos_token_ids)
+        spec = StructuredOutputs(json=LONG_JSON)
+        grammar = GrammarCompiler(tokenizer, model_config.vocab_size).compile_now(spec)
+        return cls(model_config, tokenizer, vocabulary, spec, grammar)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def matchers(self) -> GrammarMatchers:
+        return GrammarMatchers(lambda: self.vocabulary)
+
+
+def mask_cost(setup: GrammarSetup, args) -> list[dict]:
+    prefix = setup.tokenizer.encode('{"notes": "The first', add_special_tokens=False)
     rows = []
     for count in (1, 4, 16):
-        matchers = GrammarMatchers(lambda: info)
+        matchers = setup.matchers()
         for index in range(count):
-            matchers.add(f"r{index}", grammar)
+            matchers.add(f"r{index}", setup.grammar)
         batch = [(f"r{index}", prefix) for index in range(count)]
-        logits = torch.randn(max(count, args.batch + args.neighbours), vocab_size)
+        logits = torch.randn(max(count, args.batch + args.neighbours), setup.vocab_size)
         fills, applies = [], []
         for _ in range(50):
             started = time.perf_counter()
@@ -111,42 +133,28 @@ def mask_cost(args) -> list[dict]:
             apply_token_bitmask(logits, torch.tensor(indices), bitmask)
             fills.append(filled - started)
             applies.append(time.perf_counter() - filled)
-        rows.append({"constrained_rows": count, "vocab": vocab_size,
+        rows.append({"constrained_rows": count, "vocab": setup.vocab_size,
                      "fill_us": statistics.median(fills) * 1e6,
                      "apply_us": statistics.median(applies) * 1e6})  # fmt: skip
     return rows
 
 
-def sampler_step(args) -> dict:
-    from cluster.structured.compiler import GrammarCompiler
-    from workers.model_source import load_tokenizer_for, model_config_for
-    from workers.sampler import Sampler, SamplingRow
-
-    model_config = model_config_for(args.model)
-    tokenizer = load_tokenizer_for(args.model, model_config.eos_token_ids)
-    vocab_size = model_config.vocab_size
-    info = grammar_vocabulary(tokenizer, vocab_size, tokenizer.eos_token_ids)
-    spec = StructuredOutputs(json=LONG_JSON)
-    grammar = GrammarCompiler(tokenizer, vocab_size).compile_now(spec)
-    defaults = {"temperature": 1.0, **(model_config.default_sampling or {})}
-    free, constrained = (
-        SamplingParams(**defaults),
-        SamplingParams(**defaults, structured_outputs=spec),
-    )
+def sampler_step(setup: GrammarSetup, args) -> dict:
+    defaults = {"temperature": 1.0, **(setup.model_config.default_sampling or {})}
+    free = SamplingParams(**defaults)
+    constrained = SamplingParams(**defaults, structured_outputs=setup.spec)
+    num_rows = args.batch + args.neighbours
 
     def median_step_ms(num_constrained: int) -> float:
-        sampler = Sampler("cpu", tokenizer.eos_token_ids, GrammarMatchers(lambda: info))
-        params = [
-            constrained if i < num_constrained else free
-            for i in range(args.batch + args.neighbours)
-        ]
+        sampler = Sampler("cpu", setup.tokenizer.eos_token_ids, setup.matchers())
+        params = [constrained if i < num_constrained else free for i in range(num_rows)]
         outputs = [[] for _ in params]
         for index, p in enumerate(params):
-            sampler.add_request(str(index), p, grammar if p is constrained else None)
+            sampler.add_request(str(index), p, setup.grammar if p is constrained else None)
         times = []
         for _ in range(60):
             rows = [SamplingRow(str(i), p, [1], outputs[i]) for i, p in enumerate(params)]
-            logits = torch.randn(len(params), vocab_size)
+            logits = torch.randn(num_rows, setup.vocab_size)
             started = time.perf_counter()
             tokens = sampler.sample_rows(logits, rows).tokens.tolist()
             times.append(time.perf_counter() - started)
@@ -156,7 +164,7 @@ def sampler_step(args) -> dict:
 
     free_ms = min(median_step_ms(0) for _ in range(2))
     constrained_ms = min(median_step_ms(args.neighbours) for _ in range(2))
-    return {"rows": args.batch + args.neighbours, "constrained": args.neighbours,
+    return {"rows": num_rows, "constrained": args.neighbours,
             "sample_ms_free": free_ms, "sample_ms_with_constrained": constrained_ms}  # fmt: skip
 
 
@@ -169,9 +177,10 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kv-cache-memory", type=int, default=128 << 20)
     args = parser.parse_args(argv)
-    for row in mask_cost(args):
+    setup = GrammarSetup.of(args.model)
+    for row in mask_cost(setup, args):
         print(json.dumps(row))
-    print(json.dumps(sampler_step(args)))
+    print(json.dumps(sampler_step(setup, args)))
     print(json.dumps(throughput(args)))
 
 
