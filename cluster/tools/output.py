@@ -73,7 +73,7 @@ class ToolStream:
         the closing chunk carries."""
         self.text += text
         if self.mode.kind == "named":
-            return self._named(finish_reason), finish_reason
+            return self._named(), finish_reason
         if finish_reason is None:
             if self.mode.kind == "auto":
                 return self._content_up_to(self.mode.parser.content_end(self.text)), None
@@ -81,11 +81,12 @@ class ToolStream:
         content, calls = _parsed(self.mode, self.text)
         if not calls:
             return self._content_up_to(len(self.text)), finish_reason
-        deltas = self._content_up_to(self._content_length(content))
+        # The parser's content is a prefix of the text: it ends where the content does.
+        deltas = self._content_up_to(0 if content is None else len(content))
         deltas += [{"tool_calls": [tool_call_body(call, i)]} for i, call in enumerate(calls)]
         return deltas, _finish_reason(self.mode, finish_reason)
 
-    def _named(self, finish_reason: str | None) -> list[dict]:
+    def _named(self) -> list[dict]:
         arguments, self.emitted = self.text[self.emitted :], len(self.text)
         if self.named_id is None:
             self.named_id = call_id()
@@ -95,10 +96,6 @@ class ToolStream:
         if not arguments:
             return []
         return [{"tool_calls": [{"index": 0, "function": {"arguments": arguments}}]}]
-
-    def _content_length(self, content: str | None) -> int:
-        """Where the content ends in the text (the parser's content is a prefix of it)."""
-        return 0 if content is None else len(content)
 
     def _content_up_to(self, end: int) -> list[dict]:
         if end <= self.emitted:
