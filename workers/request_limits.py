@@ -16,6 +16,8 @@ from dataclasses import dataclass
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 MAX_NESTING = 32  # lists and objects inside a chat message (tool calls and their arguments)
+# ... and inside a JSON schema, where each nested object takes two (it and its "properties").
+MAX_SCHEMA_NESTING = 64
 
 
 class RequestFieldError(ValueError):
@@ -123,20 +125,20 @@ def check_text(value: object, field: str) -> None:
         ) from None
 
 
-def check_nested_text(value: object, field: str, depth: int = 0) -> None:
+def check_nested_text(value: object, field: str, depth: int = 0, limit: int = MAX_NESTING) -> None:
     """Every string in ``value`` (keys too), through lists and dicts, as ``check_text``; and
-    no deeper than MAX_NESTING, so what walks it later cannot run out of stack."""
-    if depth > MAX_NESTING:
-        raise RequestFieldError(f"{field} nests deeper than {MAX_NESTING} levels", field)
+    no deeper than ``limit``, so what walks it later cannot run out of stack."""
+    if depth > limit:
+        raise RequestFieldError(f"{field} nests deeper than {limit} levels", field)
     if isinstance(value, str):
         check_text(value, field)
     elif isinstance(value, dict):
         for key, item in value.items():
             check_text(key, f"a key of {field}")
-            check_nested_text(item, f"{field}.{key}", depth + 1)
+            check_nested_text(item, f"{field}.{key}", depth + 1, limit)
     elif isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
-            check_nested_text(item, f"{field}[{index}]", depth + 1)
+            check_nested_text(item, f"{field}[{index}]", depth + 1, limit)
 
 
 def _items(name: str, value) -> list[tuple[str, object]]:

@@ -27,6 +27,7 @@ from collections import OrderedDict
 from cluster.structured.schema_check import check_schema
 from cluster.validation import InvalidRequestError
 from workers.grammar.vocabulary import NoGrammarVocabularyError, grammar_vocabulary
+from workers.request_limits import MAX_SCHEMA_NESTING, RequestFieldError, check_nested_text
 from workers.structured_outputs import FIELD, StructuredOutputs
 
 CACHE_SIZE = 512  # compiled grammars kept (each some tens of KiB for a 50k vocabulary)
@@ -69,6 +70,10 @@ class GrammarCompiler:
                 raise InvalidRequestError(
                     f"The JSON schema is not JSON: {exc}", param=param
                 ) from None
+            try:  # every string text UTF-8 can encode, nesting bounded (as in messages)
+                check_nested_text(schema, param, limit=MAX_SCHEMA_NESTING)
+            except RequestFieldError as exc:
+                raise InvalidRequestError.of(exc) from None
             check_schema(schema, param)
         compiler = self._xgrammar_compiler()
         try:

@@ -83,6 +83,8 @@ def test_the_same_constraint_compiles_once(compiler):
         ({"json": '{"$ref": "#/$defs/missing"}'}, "missing"),
         ({"regex": "(unclosed"}, "parenthesis is not closed"),
         ({"grammar": "root ::= undefined_rule"}, 'Rule "undefined_rule" is not defined'),
+        ({"json": '{"enum": ["\\ud800"]}'}, "lone surrogate U\\+D800"),
+        ({"json": '{"items": ' * 70 + "{}" + "}" * 70}, "nests deeper than 64 levels"),
     ],
 )
 def test_what_does_not_compile_is_refused_saying_why(compiler, spec, message):
