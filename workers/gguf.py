@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from kernels.quant.gguf_blocks import QuantizedMatrix
 from workers.loader import CheckpointError, load_named_tensors
 from workers.model_config import ModelConfig, UnsupportedModelError
 
@@ -51,7 +52,11 @@ _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 class GGUFMetadata:
     values: dict[str, Any]  # every key-value pair, as Python values
     tensors: dict[str, tuple[int, ...]]  # name -> shape in PyTorch order (rows first)
-    tensor_types: frozenset[str]  # the storage types in the file: "F32", "Q4_1", ...
+    types: dict[str, str]  # name -> storage type: "F32", "Q4_1", ...
+
+    @property
+    def tensor_types(self) -> frozenset[str]:
+        return frozenset(self.types.values())
 
     def arch_value(self, key: str, default: Any = None) -> Any:
         return self.values.get(f"{self.values['general.architecture']}.{key}", default)
@@ -85,7 +90,7 @@ def read_metadata(path: Path) -> GGUFMetadata:
     reader = GGUFReader(path)
     values = {key: field.contents() for key, field in reader.fields.items()}
     tensors = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
-    types = frozenset(t.tensor_type.name for t in reader.tensors)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
     return GGUFMetadata(values, tensors, types)
 
 
@@ -182,9 +187,12 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return split.transpose(1, 2).reshape(weight.shape)
 
 
-def iterate_gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 tensor) for every tensor, dequantized one at a time so at
-    most one full tensor is held beside the model."""
+def iterate_gguf_weights(
+    path: Path, config: ModelConfig, keep_quantized: Collection[str] = ()
+) -> Iterator[tuple[str, torch.Tensor | QuantizedMatrix]]:
+    """(Hugging Face name, weight) for every tensor: a ``QuantizedMatrix`` of the file's blocks
+    for the tensors named in ``keep_quantized``, a float32 tensor for the others, dequantized
+    one at a time so at most one full tensor is held beside the model."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -193,6 +201,14 @@ def iterate_gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str,
         name = hf_tensor_name(tensor.name)
         if name is None:
             raise CheckpointError(f"Unexpected tensor {tensor.name!r} in the GGUF file")
+        part = tensor.name.split(".")[-2]
+        if tensor.name in keep_quantized:
+            blocks = QuantizedMatrix.from_gguf(tensor.tensor_type.name, tensor.data)
+            if part in heads:
+                order = _unpermute_rope(torch.arange(blocks.shape[0]), heads[part])
+                blocks = blocks.index_rows(order)
+            yield name, blocks
+            continue
         try:
             values = dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError as exc:
@@ -203,18 +219,23 @@ def iterate_gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str,
         if not values.flags.writeable:  # F32 tensors are views of the read-only file map
             values = values.copy()
         weight = torch.from_numpy(values)
-        part = tensor.name.split(".")[-2]
         if part in heads:
             weight = _unpermute_rope(weight, heads[part])
         yield name, weight
 
 
-def load_gguf_weights(model: nn.Module, path: Path, *, show_progress: bool = True) -> None:
+def load_gguf_weights(
+    model: nn.Module,
+    path: Path,
+    *,
+    keep_quantized: Collection[str] = (),
+    show_progress: bool = True,
+) -> None:
     """Fill every parameter of ``model`` from a GGUF through the checkpoint loaders: each
-    tensor is dequantized to float32, handed to its loader (which keeps this rank's slice, in
-    the model's dtype) and dropped before the next."""
+    tensor (dequantized to float32, or its blocks for those in ``keep_quantized``) is handed to
+    its loader, which keeps this rank's slice, and dropped before the next."""
     entries = tqdm(
-        iterate_gguf_weights(path, model.config),
+        iterate_gguf_weights(path, model.config, keep_quantized),
         desc="Loading GGUF weights",
         unit="tensor",
         total=len(read_metadata(path).tensors),

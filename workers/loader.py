@@ -82,22 +82,34 @@ def load_state_dict(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     load_named_tensors(model, tensors.items())
 
 
+def is_skipped(model: nn.Module, name: str) -> bool:
+    """Checkpoint tensors no parameter takes: derived buffers, and a head that is the
+    embedding."""
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
+
+
+def parameter_target(model: nn.Module, name: str) -> tuple[str, object]:
+    """The parameter a checkpoint tensor fills, and the part of it (None: the whole)."""
+    # A family loading some tensors in parts (experts) says which parameter and part ...
+    special = getattr(model, "checkpoint_target", None)
+    target = None if special is None else special(name)
+    if target is not None:
+        return target
+    # ... and one whose checkpoint names differ from its parameters' says how to map them.
+    rename = getattr(model, "checkpoint_name", None)
+    return _target(model, name if rename is None else rename(name))
+
+
 def load_named_tensors(model: nn.Module, entries) -> None:
     """``entries`` yields (checkpoint name, tensor or LazyTensor) pairs."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     tied = getattr(model.config, "tie_word_embeddings", False)
-    # A family whose checkpoint names differ from its parameters' says how to map them.
-    rename = getattr(model, "checkpoint_name", None)
-    # ... or, for tensors it loads in parts (experts), which parameter and part.
-    special = getattr(model, "checkpoint_target", None)
     for name, tensor in entries:
-        if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
-            continue  # derived buffers, and a head that is the embedding
-        target = None if special is None else special(name)
-        if target is None:
-            target = _target(model, name if rename is None else rename(name))
-        param_name, shard_id = target
+        if is_skipped(model, name):
+            continue
+        param_name, shard_id = parameter_target(model, name)
         param = params.get(param_name)
         if param is None:
             raise CheckpointError(

@@ -12,13 +12,14 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from kernels.attention import get_attention_backend
 from kvcore import KVCacheConfig, RankReport, decode, encode
 from kvcore.views import TORCH_DTYPES
 from workers.default_model import load_default_weights
 from workers.device import distributed_backend, select_device
-from workers.gguf import load_gguf_weights
+from workers.gguf import load_gguf_weights, read_metadata
 from workers.grammar.vocabulary import grammar_vocabulary
 from workers.group_step import StepLimits
 from workers.kv_cache import allocate_kv_cache
@@ -33,6 +34,7 @@ from workers.options import WorkerOptions
 from workers.parallel import destroy_tp_group, get_tp_group, init_tp_group
 from workers.profiling import run_profile_step
 from workers.protocol import StepPlan
+from workers.quantization import keep_quantized, keeps_quantized, plan_quantized
 from workers.runner import ModelRunner
 from workers.shard_report import shard_report
 
@@ -81,7 +83,7 @@ class Worker:
             model = model_class_for(self.model_config)(self.model_config, dtype)
         gguf = gguf_path_for(self.options.model)
         if gguf is not None:
-            load_gguf_weights(model, gguf, show_progress=self.rank == 0)
+            self._load_gguf(model, gguf, dtype)
         elif is_embedded(self.options.model):
             load_default_weights(model)
         else:
@@ -90,6 +92,21 @@ class Worker:
             pack_linear_weights(model)
         self.model = model.eval()
         logger.info("rank %d loaded the model in %.1f s", self.rank, time.perf_counter() - started)
+
+    def _load_gguf(self, model: nn.Module, path: Path, dtype: torch.dtype) -> None:
+        keep = keeps_quantized(
+            self.options.quantization, is_gguf=True, device=self.device, dtype=dtype
+        )
+        plan = plan_quantized(model, read_metadata(path)) if keep else {}
+        if plan:
+            size = keep_quantized(model, plan)
+            logger.info(
+                "rank %d keeps %d GGUF tensors quantized (%.1f MiB)",
+                self.rank,
+                len(plan),
+                size / 2**20,
+            )
+        load_gguf_weights(model, path, keep_quantized=plan, show_progress=self.rank == 0)
 
     def report_shards(self) -> bytes:
         """What this rank holds of the model's split modules beyond its KV geometry (which

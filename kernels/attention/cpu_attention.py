@@ -15,19 +15,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
 from kernels.attention.cache_view import check_kv_cache, check_query_heads
 from kernels.attention.params import AttentionParams
+from kernels.c_build import build_library
 
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "cpu" / "paged_decode.c"
@@ -82,45 +78,7 @@ def decode_kernel():
 
 
 def _build() -> Path:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler (cc or $CC) on this machine")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + _cpu_signature().encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvray"
-    library = cache / f"paged_decode-{key}.so"
-    if library.exists():
-        return library
-    cache.mkdir(parents=True, exist_ok=True)
-    # -fno-math-errno lets expf vectorise (about 1.6x less compute); nothing reads errno.
-    flags = ["-O3", "-fno-math-errno", "-fPIC", "-shared", "-std=c11", "-pthread"]
-    for arch in (["-march=native"], []):  # -march=native is not on every compiler
-        with tempfile.NamedTemporaryFile(dir=cache, suffix=".so", delete=False) as partial:
-            pass
-        result = subprocess.run(
-            [compiler, *flags, *arch, str(SOURCE), "-o", partial.name, "-lm"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if result.returncode == 0:
-            os.replace(partial.name, library)  # atomic: concurrent builders agree
-            return library
-        os.unlink(partial.name)
-    raise OSError(f"compiling {SOURCE.name} failed: {result.stderr.strip()[-500:]}")
-
-
-def _cpu_signature() -> str:
-    """What -march=native depends on: the machine and its CPU's feature flags."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = line
-                break
-    except OSError:
-        pass
-    return f"{platform.machine()} {platform.system()} {flags}"
+    return build_library(SOURCE, ("-fopenmp",))
 
 
 def paged_decode_attention(

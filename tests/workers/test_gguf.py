@@ -15,14 +15,17 @@ from safetensors.torch import load_file, save_file
 from cluster.client import Client
 from cluster.config import EngineConfig
 from cluster.local import LocalServer
-from tests.workers.engine import KV_CACHE_MEMORY, run_in_process
+from kernels.quant.gguf_blocks import QuantizedMatrix as QM
+from tests.workers.engine import KV_CACHE_MEMORY, run_in_process, run_tensor_parallel
 from tests.workers.hf_models import COMMON, PROMPTS, reference_generations, save_model
 from tests.workers.test_chat_template import CONVERSATIONS
 from workers import model_source
 from workers.chat_template import render_chat
+from workers.model_config import UnsupportedModelError
 from workers.model_source import gguf_path_for, load_tokenizer_for, model_config_for
+from workers.quantization import keeps_quantized
 from workers.tokenizer import HFTokenizer
-from workers.worker import WorkerOptions
+from workers.worker import Worker, WorkerOptions
 
 SMOLLM2 = "embedded:smollm2"
 QUESTIONS = [
@@ -77,6 +80,10 @@ def test_smollm2_greedy_tokens_equal_transformers(reference, hf_tokenizer):
             assert completion.token_ids == expected
             assert completion.text == hf_tokenizer.decode(expected, skip_special_tokens=True)
     assert any(len(expected) == NUM_NEW_TOKENS for _, expected in reference)  # not all stop
+    # The quick start's answer, from weights served quantized (the default on CPUs): its first
+    # token is a near-tie ("The" vs "L") that quantized activations would flip.
+    first_answer = hf_tokenizer.decode(reference[0][1], skip_special_tokens=True)
+    assert first_answer.startswith("The capital of France is Paris.")
 
 
 def test_smollm2_config_comes_from_the_metadata(smollm2_file):
@@ -183,6 +190,20 @@ MIXED = {
 }
 
 
+# Every projection and the embeddings in a type kvray serves quantized.
+ALL_QUANTIZED = {
+    "token_embd": Q.Q8_0,
+    "output": Q.Q8_0,
+    "attn_q": Q.Q4_1,
+    "attn_k": Q.Q4_1,
+    "attn_v": Q.Q4_1,
+    "attn_output": Q.Q4_0,
+    "ffn_gate": Q.Q4_0,
+    "ffn_up": Q.Q4_0,
+    "ffn_down": Q.Q8_0,
+}
+
+
 def gguf_name(hf_name: str) -> str:
     stem, kind = hf_name.rsplit(".", 1)
     if stem.startswith("model.layers."):
@@ -233,7 +254,9 @@ def write_gguf(hf_dir, path, types) -> None:
     save_file(stored, hf_dir / "model.safetensors", metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("types", [{}, MIXED], ids=["f32", "mixed-quantized"])
+@pytest.mark.parametrize(
+    "types", [{}, MIXED, ALL_QUANTIZED], ids=["f32", "mixed-quantized", "all-quantized"]
+)
 def test_tiny_gguf_equals_the_model_it_was_written_from(tmp_path, types):
     hf_dir = save_model("llama", tmp_path / "hf")
     path = tmp_path / "tiny.gguf"
@@ -281,3 +304,96 @@ def test_llama3_style_tokenizer_equals_transformers(tmp_path):
         assert ids[0] == len(tokens) - 2  # BOS
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
     assert ours.special_tokens == {"bos_token": "<|begin|>", "eos_token": "<|eot|>"}
+
+
+# -- weights served quantized (--quantization) -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quantized_files(tmp_path_factory):
+    """(transformers directory, GGUF) for the all-quantized and the mixed type sets."""
+    root = tmp_path_factory.mktemp("quantized")
+    files = {}
+    for name, types in (("all", ALL_QUANTIZED), ("mixed", MIXED)):
+        hf_dir = save_model("llama", root / f"hf-{name}")
+        write_gguf(hf_dir, root / f"{name}.gguf", types)
+        files[name] = (hf_dir, root / f"{name}.gguf")
+    return files
+
+
+def loaded_worker(path, **options) -> Worker:
+    worker = Worker(0, WorkerOptions(model=str(path), dtype="float32", **options))
+    worker.init_tp_group(None)
+    worker.load_model()
+    return worker
+
+
+def test_quantized_layers_equal_the_dequantized_ones_layer_by_layer(quantized_files):
+    """Each layer kept in blocks gives the output the dequantized model's layer gives."""
+    _, path = quantized_files["all"]
+    quantized = dict(loaded_worker(path).model.named_modules())
+    dense = dict(loaded_worker(path, quantization="none").model.named_modules())
+    held = [n for n, m in quantized.items() if isinstance(getattr(m, "packed_weight", None), QM)]
+    # 4 layers x (qkv, o, gate_up, down) and the untied head; the embedding looks rows up.
+    assert len(held) == 4 * 4 + 1, held
+    assert getattr(quantized["model.embed_tokens"].weight, "quantized", None) is not None
+    assert not any(isinstance(getattr(m, "packed_weight", None), QM) for m in dense.values())
+    generator = torch.Generator().manual_seed(0)
+    for name in held:
+        layer = quantized[name]
+        width = layer.weight.quantized.shape[1]
+        x = torch.randn(5, width, generator=generator)
+        if name == "lm_head":
+            got, expected = layer.compute_logits(x), dense[name].compute_logits(x)
+        else:
+            got, expected = layer(x), dense[name](x)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=name)
+    ids = torch.tensor([0, 5, VOCAB_LAST])
+    torch.testing.assert_close(
+        quantized["model.embed_tokens"](ids), dense["model.embed_tokens"](ids), rtol=0, atol=0
+    )
+
+
+VOCAB_LAST = COMMON["vocab_size"] - 1
+
+
+def test_a_fused_layer_of_mixed_types_stays_float(quantized_files):
+    """MIXED stores Q, K and V (and gate and up) in types of different kinds: those fused
+    layers are dequantized, the others are kept in blocks."""
+    _, path = quantized_files["mixed"]
+    modules = dict(loaded_worker(path).model.named_modules())
+    layer = "model.layers.0"
+    assert not isinstance(modules[f"{layer}.self_attn.qkv_proj"].packed_weight, QM)
+    assert not isinstance(modules[f"{layer}.mlp.gate_up_proj"].packed_weight, QM)
+    assert isinstance(modules[f"{layer}.self_attn.o_proj"].packed_weight, QM)
+    assert isinstance(modules[f"{layer}.mlp.down_proj"].packed_weight, QM)
+
+
+def test_quantized_weights_split_over_two_ranks_equal_transformers(quantized_files):
+    hf_dir, path = quantized_files["all"]
+    options = WorkerOptions(
+        model=str(path), block_size=4, kv_cache_memory_bytes=KV_CACHE_MEMORY, dtype="float32",
+        tensor_parallel_size=2,
+    )  # fmt: skip
+    batch = [[(f"r{i}", prompt, 10, None) for i, prompt in enumerate(PROMPTS[:2])]]
+    outputs = run_tensor_parallel(options, "BLHNC", batch, chunk=5)
+    assert [outputs["r0"], outputs["r1"]] == reference_generations(hf_dir, PROMPTS[:2], 10)
+
+
+def test_quantization_that_cannot_be_served_is_refused_by_name(quantized_files):
+    cpu = torch.device("cpu")
+    with pytest.raises(UnsupportedModelError, match=r"float32 activations.*--quantization none"):
+        keeps_quantized("gguf", is_gguf=True, device=cpu, dtype=torch.bfloat16)
+    with pytest.raises(UnsupportedModelError, match="needs a GGUF model"):
+        keeps_quantized("gguf", is_gguf=False, device=cpu, dtype=torch.float32)
+    with pytest.raises(UnsupportedModelError, match="Supported: gguf, none"):
+        keeps_quantized("awq", is_gguf=True, device=cpu, dtype=torch.float32)
+    # The default quietly dequantizes where blocks cannot be served.
+    assert not keeps_quantized(None, is_gguf=True, device=torch.device("meta"), dtype=torch.float32)
+    assert not keeps_quantized(None, is_gguf=True, device=cpu, dtype=torch.bfloat16)
+    assert keeps_quantized(None, is_gguf=True, device=cpu, dtype=torch.float32)
+    _, path = quantized_files["all"]
+    worker = Worker(0, WorkerOptions(model=str(path), dtype="bfloat16", quantization="gguf"))
+    worker.init_tp_group(None)
+    with pytest.raises(UnsupportedModelError, match="--quantization gguf"):
+        worker.load_model()

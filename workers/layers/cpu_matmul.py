@@ -5,7 +5,8 @@ about as much as the product for the few rows of a decode step. oneDNN's blocked
 weight, made once after loading, measured 1.5-2.5x faster here at every row count from 1 to
 2048 (fp32, two cores). Only fp32 weights on CPUs are packed; everything else keeps
 ``F.linear``. A packed layer drops its unpacked weight (a second copy of the model would
-double its memory), so the layer must not be loaded again afterwards.
+double its memory), so the layer must not be loaded again afterwards. A weight kept in GGUF's
+quantized blocks (``workers.quantization``) is multiplied by ``kernels.quant.cpu_matmul``.
 """
 
 from __future__ import annotations
@@ -16,11 +17,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.quant.cpu_matmul import quantized_linear
+from kernels.quant.gguf_blocks import QuantizedMatrix
+
 logger = logging.getLogger(__name__)
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's packed copy of an ``[out, in]`` weight, or None where oneDNN cannot serve it."""
+def pack_weight(weight: torch.Tensor):
+    """oneDNN's packed copy of an ``[out, in]`` weight, the ``QuantizedMatrix`` a weight kept
+    quantized holds, or None where neither serves it."""
+    quantized = getattr(weight, "quantized", None)
+    if quantized is not None:
+        return quantized
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
     if not torch.backends.mkldnn.is_available():
@@ -32,11 +40,11 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias=None
-) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, packed, bias=None) -> torch.Tensor:
     if packed is None:
         return F.linear(x, weight, bias)
+    if isinstance(packed, QuantizedMatrix):
+        return quantized_linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 

@@ -9,10 +9,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.layers.cpu_matmul import linear, pack_weight
+from workers.layers.linear import weight_storage
 from workers.parallel import all_gather_last_dim, all_reduce, get_tp_group
 
 
 class VocabParallelEmbedding(nn.Module):
+    holds_quantized = True  # its weight may be a QuantizedMatrix (workers.quantization)
+
     def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype):
         super().__init__()
         tp = get_tp_group()
@@ -32,16 +35,23 @@ class VocabParallelEmbedding(nn.Module):
                 f"{(self.vocab_size, self.hidden_size)}"
             )
         rows = max(0, min(self.vocab_per_rank, self.vocab_size - self.vocab_start))
-        param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
+        weight_storage(param).narrow(0, 0, rows).copy_(loaded.narrow(0, self.vocab_start, rows))
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if get_tp_group().world_size == 1:
-            return F.embedding(token_ids, self.weight)
+            return self._lookup(token_ids)
         local = token_ids - self.vocab_start
         is_mine = (local >= 0) & (local < self.vocab_per_rank)
-        embedded = F.embedding(local.clamp(0, self.vocab_per_rank - 1), self.weight)
+        embedded = self._lookup(local.clamp(0, self.vocab_per_rank - 1))
         embedded = embedded * is_mine.unsqueeze(-1).to(embedded.dtype)
         return all_reduce(embedded)
+
+    def _lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        quantized = getattr(self.weight, "quantized", None)
+        if quantized is None:
+            return F.embedding(rows, self.weight)
+        flat = rows.reshape(-1)
+        return quantized.index_rows(flat).dequantize().reshape(*rows.shape, -1)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

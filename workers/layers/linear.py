@@ -31,6 +31,13 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter:
     return param
 
 
+def weight_storage(param: nn.Parameter):
+    """Where a weight's values live: the parameter's tensor, or the ``QuantizedMatrix`` it
+    holds instead when it is kept in GGUF blocks (``workers.quantization``). Both take
+    ``narrow`` and ``copy_``, so one loader fills either."""
+    return getattr(param, "quantized", None) or param.data
+
+
 def _check_shape(param: nn.Parameter, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
     if tuple(loaded.shape) != expected:
         raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {expected}")
@@ -38,6 +45,8 @@ def _check_shape(param: nn.Parameter, loaded: torch.Tensor, expected: tuple[int,
 
 class ColumnParallelLinear(nn.Module):
     """``y = x W^T + b`` with W's rows (output features) split across ranks."""
+
+    holds_quantized = True  # its weight may be a QuantizedMatrix (workers.quantization)
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool, dtype: torch.dtype):
         super().__init__()
@@ -51,9 +60,9 @@ class ColumnParallelLinear(nn.Module):
         self.packed_weight: torch.Tensor | None = None  # see pack_for_cpu
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        _check_shape(param, loaded, (self.output_size, *param.shape[1:]))
-        start = get_tp_group().rank * param.shape[0]
-        param.data.copy_(loaded.narrow(0, start, param.shape[0]))
+        rows, cols = weight_storage(param).shape
+        _check_shape(param, loaded, (self.output_size, cols))
+        weight_storage(param).copy_(loaded.narrow(0, get_tp_group().rank * rows, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.packed_weight, self.bias)
@@ -75,8 +84,9 @@ class ReplicatedLinear(ColumnParallelLinear):
         self.packed_weight = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        _check_shape(param, loaded, tuple(param.shape))
-        param.data.copy_(loaded.narrow(0, 0, param.shape[0]))
+        storage = weight_storage(param)
+        _check_shape(param, loaded, tuple(storage.shape))
+        storage.copy_(loaded.narrow(0, 0, storage.shape[0]))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -92,8 +102,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         full = self.output_sizes[shard_id]
         size = divide(full, tp.world_size, "output features")
         offset = sum(self.output_sizes[:shard_id]) // tp.world_size
-        _check_shape(param, loaded, (full, *param.shape[1:]))
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, tp.rank * size, size))
+        storage = weight_storage(param)
+        _check_shape(param, loaded, (full, *storage.shape[1:]))
+        storage.narrow(0, offset, size).copy_(loaded.narrow(0, tp.rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -139,8 +150,9 @@ class QKVParallelLinear(ColumnParallelLinear):
                 self.kv_heads.start * self.head_size,
                 self.total_num_kv_heads * self.head_size,
             )
-        _check_shape(param, loaded, (full, *param.shape[1:]))
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+        storage = weight_storage(param)
+        _check_shape(param, loaded, (full, *storage.shape[1:]))
+        storage.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -149,6 +161,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """``y = x W^T + b`` with W's columns (input features) split across ranks; the partial
     products are summed over the group, and the bias is added once, after the sum."""
+
+    holds_quantized = True
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool, dtype: torch.dtype):
         super().__init__()
@@ -159,9 +173,10 @@ class RowParallelLinear(nn.Module):
         self.packed_weight: torch.Tensor | None = None  # see pack_for_cpu
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        _check_shape(param, loaded, (param.shape[0], self.input_size))
+        storage = weight_storage(param)
+        _check_shape(param, loaded, (storage.shape[0], self.input_size))
         start = get_tp_group().rank * self.input_size_per_rank
-        param.data.copy_(loaded.narrow(1, start, self.input_size_per_rank))
+        storage.copy_(loaded.narrow(1, start, self.input_size_per_rank))
 
     def bias_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         _check_shape(param, loaded, tuple(param.shape))
@@ -176,8 +191,9 @@ class RowParallelLinear(nn.Module):
 
 
 def _pack(layer: nn.Module) -> bool:
-    """Swap the layer's weight for oneDNN's packed copy on CPUs (``workers.layers.cpu_matmul``);
-    the unpacked weight is let go. False where it stays as it was."""
+    """Swap the layer's weight for oneDNN's packed copy on CPUs (``workers.layers.cpu_matmul``),
+    or for its quantized blocks where it is kept so; the unpacked weight is let go. False where
+    it stays as it was."""
     packed = pack_weight(layer.weight)
     if packed is None:
         return False

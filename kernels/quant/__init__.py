@@ -1,0 +1,1 @@
+"""Weights kept in GGUF's integer blocks and the matrix products that read them."""

@@ -1,0 +1,114 @@
+"""``x @ W^T`` for a ``QuantizedMatrix`` W on CPUs, by the C kernel
+``kernels/quant/cpu/gguf_matmul.c`` (built at first use like the decode-attention kernel).
+
+Up to ``KERNEL_MAX_ROWS`` rows of x (decode steps, short chunks) the kernel expands each block
+in registers and streams the integers from memory once. Longer inputs (prefill chunks) are
+compute-bound: there the weight is expanded to float32 once and handed to the float GEMM.
+Where no compiler is found, ``kernel()`` is None and the caller keeps float weights instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels.c_build import build_library
+from kernels.quant.gguf_blocks import Q4, Q8, QuantizedMatrix
+
+logger = logging.getLogger(__name__)
+SOURCE = Path(__file__).parent / "cpu" / "gguf_matmul.c"
+KIND_CODES = {Q4: 0, Q8: 1}
+KERNEL_MAX_ROWS = 32  # measured: see cluster/bench/quant_matmul.py
+
+
+class QMatmulArgs(ctypes.Structure):
+    """Mirror of the kernel's ``QMatmulArgs``, field for field."""
+
+    _fields_ = [
+        ("x", ctypes.c_void_p),
+        ("stride_x", ctypes.c_int64),
+        ("y", ctypes.c_void_p),
+        ("stride_y", ctypes.c_int64),
+        ("qs", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("mins", ctypes.c_void_p),
+        ("m", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("kind", ctypes.c_int),
+    ]
+
+
+@functools.cache
+def kernel():
+    """The compiled library, or None when it cannot be built here."""
+    try:
+        # -fopenmp: the kernel's threads are the OpenMP pool torch has already started.
+        library = ctypes.CDLL(str(build_library(SOURCE, ("-fopenmp",))))
+    except (OSError, ValueError) as exc:
+        logger.warning("CPU quantized matmul kernel unavailable (%s)", exc)
+        return None
+    for name in ("gguf_matmul", "gguf_dequantize"):
+        function = getattr(library, name)
+        function.restype = ctypes.c_int
+    library.gguf_matmul.argtypes = [ctypes.POINTER(QMatmulArgs)]
+    library.gguf_dequantize.argtypes = [ctypes.POINTER(QMatmulArgs), ctypes.c_void_p]
+    return library
+
+
+def _args(weight: QuantizedMatrix, x: torch.Tensor | None, y: torch.Tensor | None) -> QMatmulArgs:
+    for name, part in (("qs", weight.qs), ("scales", weight.scales), ("mins", weight.mins)):
+        if not part.is_contiguous():
+            raise ValueError(f"the quantized weight's {name} must be contiguous")
+    n, k = weight.shape
+    return QMatmulArgs(
+        x=None if x is None else x.data_ptr(),
+        stride_x=0 if x is None else x.stride(0),
+        y=None if y is None else y.data_ptr(),
+        stride_y=0 if y is None else y.stride(0),
+        qs=weight.qs.data_ptr(),
+        scales=weight.scales.data_ptr(),
+        mins=weight.mins.data_ptr() if weight.kind == Q4 else None,
+        m=0 if x is None else x.shape[0],
+        n=n,
+        k=k,
+        kind=KIND_CODES[weight.kind],
+    )
+
+
+def _call(function, *args) -> None:
+    code = function(*args)
+    if code:
+        raise RuntimeError(f"{function.__name__} failed with code {code}")
+
+
+def dequantize(weight: QuantizedMatrix) -> torch.Tensor:
+    """The float32 ``[rows, cols]`` weight, expanded by the kernel on all threads."""
+    out = torch.empty(weight.shape, dtype=torch.float32)
+    _call(kernel().gguf_dequantize, ctypes.byref(_args(weight, None, None)), out.data_ptr())
+    return out
+
+
+def quantized_linear(
+    x: torch.Tensor, weight: QuantizedMatrix, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ W^T + b`` for float32 ``x`` of any leading shape."""
+    n, k = weight.shape
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"quantized weights take float32 CPU inputs, not {x.dtype} {x.device}")
+    rows = x.reshape(-1, k)
+    if rows.shape[0] > KERNEL_MAX_ROWS:
+        return F.linear(x, dequantize(weight), bias)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    if rows.shape[0]:
+        _call(kernel().gguf_matmul, ctypes.byref(_args(weight, rows, out)))
+    if bias is not None:
+        out += bias
+    return out.reshape(*x.shape[:-1], n)

@@ -1,0 +1,92 @@
+"""GGUF blocks served quantized: the split arrays hold exactly what gguf's own dequantizer
+reads from the file, and the C kernel's products equal float64 products with the dequantized
+weights, for every type kvray serves quantized, at decode and prefill row counts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from kernels.quant import cpu_matmul
+from kernels.quant.cpu_matmul import KERNEL_MAX_ROWS, quantized_linear
+from kernels.quant.gguf_blocks import GGUF_TYPES, QuantizedMatrix
+
+TYPES = sorted(GGUF_TYPES)
+
+
+def gguf_matrix(type_name: str, rows: int, cols: int, seed: int = 0):
+    """A random weight quantized by gguf: (our matrix, gguf's dequantized float32)."""
+    generator = np.random.default_rng(seed)
+    weight = generator.standard_normal((rows, cols)).astype(np.float32)
+    weight += generator.uniform(-1, 1, (rows, 1)).astype(np.float32)  # nonzero block minima
+    qtype = GGMLQuantizationType[type_name]
+    raw = quantize(weight, qtype)
+    expected = torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32).copy())
+    return QuantizedMatrix.from_gguf(type_name, raw), expected
+
+
+@pytest.fixture(autouse=True)
+def needs_the_kernel():
+    assert cpu_matmul.kernel() is not None, "the CPU quantized kernel did not build"
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_blocks_hold_what_gguf_reads(type_name):
+    matrix, expected = gguf_matrix(type_name, 7, 96)
+    assert matrix.shape == (7, 96)
+    assert torch.equal(matrix.dequantize(), expected)
+    assert torch.equal(cpu_matmul.dequantize(matrix), expected)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("num_rows", [1, 3, 8, 9, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 5])
+def test_products_equal_float64_with_the_dequantized_weight(type_name, num_rows):
+    matrix, weight = gguf_matrix(type_name, 75, 160, seed=num_rows)  # odd rows: a lone last row
+    generator = torch.Generator().manual_seed(num_rows)
+    x = torch.randn(num_rows, 160, generator=generator)
+    bias = torch.randn(75, generator=generator)
+    expected = x.double() @ weight.double().T + bias.double()
+    got = quantized_linear(x, matrix, bias)
+    assert got.shape == (num_rows, 75) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_leading_dimensions_and_strided_rows_are_kept():
+    matrix, weight = gguf_matrix("Q4_1", 33, 64)
+    x = torch.randn(2, 3, 128)[..., :64]  # rows with a stride past their length
+    torch.testing.assert_close(quantized_linear(x, matrix), x @ weight.T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_narrowed_rows_and_block_columns_are_the_same_slices(type_name):
+    matrix, weight = gguf_matrix(type_name, 12, 128)
+    rows = matrix.narrow(0, 3, 5)
+    torch.testing.assert_close(rows.dequantize(), weight[3:8], rtol=0, atol=0)
+    cols = matrix.narrow(1, 32, 64)
+    torch.testing.assert_close(cols.dequantize(), weight[:, 32:96], rtol=0, atol=0)
+    into = QuantizedMatrix.zeros(matrix.kind, 12, 64)
+    into.copy_(cols)  # what a row-parallel loader does with its slice
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(quantized_linear(x, into), x @ weight[:, 32:96].T)
+
+
+def test_a_column_slice_that_cuts_a_block_is_refused():
+    matrix, _ = gguf_matrix("Q8_0", 4, 128)
+    with pytest.raises(ValueError, match=r"cut GGUF blocks.*--quantization none"):
+        matrix.narrow(1, 16, 64)
+
+
+def test_a_float_tensor_cannot_fill_a_quantized_weight():
+    with pytest.raises(ValueError, match="kept quantized"):
+        QuantizedMatrix.zeros("q4", 4, 32).copy_(torch.zeros(4, 32))
+    with pytest.raises(ValueError, match="does not fit"):
+        QuantizedMatrix.zeros("q4", 4, 32).copy_(QuantizedMatrix.zeros("q8", 4, 32))
+
+
+def test_only_float32_cpu_inputs_are_taken():
+    matrix, _ = gguf_matrix("Q4_0", 4, 32)
+    with pytest.raises(ValueError, match="float32 CPU inputs"):
+        quantized_linear(torch.randn(1, 32, dtype=torch.bfloat16), matrix)
