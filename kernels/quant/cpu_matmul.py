@@ -3,7 +3,8 @@
 
 Up to ``KERNEL_MAX_ROWS`` rows of x (decode steps, short chunks) the kernel expands each block
 in registers and streams the integers from memory once. Longer inputs (prefill chunks) are
-compute-bound: there the weight is expanded to float32 once and handed to the float GEMM.
+compute-bound: there a weight of moderate size is expanded to float32 once and handed to the
+float GEMM; a large one (an LM head) stays with the kernel.
 Where no compiler is found, ``kernel()`` is None and the caller keeps float weights instead.
 """
 
@@ -23,7 +24,10 @@ from kernels.quant.gguf_blocks import Q4, Q8, QuantizedMatrix
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "cpu" / "gguf_matmul.c"
 KIND_CODES = {Q4: 0, Q8: 1}
-KERNEL_MAX_ROWS = 32  # measured: see cluster/bench/quant_matmul.py
+KERNEL_MAX_ROWS = 32  # measured with random weights at SmolLM2's shapes (two cores)
+# A weight past this many values is never expanded: expanding a 49152 x 576 LM head for every
+# step of 33+ requests would write 113 MB per step, more than the kernel's extra arithmetic.
+EXPAND_MAX_VALUES = 8 << 20
 
 
 class QMatmulArgs(ctypes.Structure):
@@ -102,7 +106,7 @@ def quantized_linear(
     if x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"quantized weights take float32 CPU inputs, not {x.dtype} {x.device}")
     rows = x.reshape(-1, k)
-    if rows.shape[0] > KERNEL_MAX_ROWS:
+    if rows.shape[0] > KERNEL_MAX_ROWS and n * k <= EXPAND_MAX_VALUES:
         return F.linear(x, dequantize(weight), bias)
     if not rows.is_contiguous():
         rows = rows.contiguous()

@@ -90,3 +90,12 @@ def test_only_float32_cpu_inputs_are_taken():
     matrix, _ = gguf_matrix("Q4_0", 4, 32)
     with pytest.raises(ValueError, match="float32 CPU inputs"):
         quantized_linear(torch.randn(1, 32, dtype=torch.bfloat16), matrix)
+
+
+def test_a_large_weight_stays_with_the_kernel_past_the_row_limit(monkeypatch):
+    """Past KERNEL_MAX_ROWS a weight too large to expand each step is multiplied in blocks."""
+    matrix, weight = gguf_matrix("Q4_1", 40, 64)
+    monkeypatch.setattr(cpu_matmul, "EXPAND_MAX_VALUES", 40 * 64 - 1)
+    monkeypatch.setattr(cpu_matmul, "dequantize", None)  # expanding would raise
+    x = torch.randn(KERNEL_MAX_ROWS + 9, 64)
+    torch.testing.assert_close(quantized_linear(x, matrix), x @ weight.T, rtol=1e-5, atol=1e-4)
