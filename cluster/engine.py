@@ -231,7 +231,7 @@ class AsyncEngine:
                     if not self._send(sent, ahead=False):
                         await asyncio.sleep(0.001)  # blocked on memory: let frees arrive
                         continue
-                if len(sent) == 1 and self.scheduler.has_work:
+                if len(sent) == 1 and self.scheduler.has_work and self.scheduler.schedules_ahead:
                     self._send(sent, ahead=True)
                 await self._finish_step(sent.popleft())
             except WorkerLostError as exc:

@@ -7,6 +7,7 @@ Each engine has its own registry (several engines can share a test process).
 
 from __future__ import annotations
 
+import copy
 import time
 
 from prometheus_client import (
@@ -17,6 +18,8 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+
+from cluster.scheduler.scheduler import SpeculationStats
 
 disable_created_metrics()  # the *_created series vLLM does not export either
 
@@ -71,7 +74,23 @@ class EngineMetrics:
         self.e2e_request_latency = histogram(
             "e2e_request_latency_seconds", "From arrival to the end", E2E_BUCKETS
         )
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts", "Decode steps of a request that carried drafts"
+        )
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Draft tokens sent for verification"
+        )
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted"
+        )
+        self._accepted_per_pos = Counter(
+            "kvray:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their depth in the draft (0: the first)",
+            ["model_name", "position"],
+            registry=self.registry,
+        )
         self._preemptions_seen = 0
+        self._speculation_seen = SpeculationStats()
 
     def observe_step(self, scheduler) -> None:
         """Gauges and the preemption counter, after each step."""
@@ -83,6 +102,21 @@ class EngineMetrics:
         if scheduler.num_preemptions > self._preemptions_seen:
             self.num_preemptions.inc(scheduler.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = scheduler.num_preemptions
+        self._observe_speculation(scheduler.speculation)
+
+    def _observe_speculation(self, now: SpeculationStats) -> None:
+        seen = self._speculation_seen
+        if now.num_drafts == seen.num_drafts:
+            return
+        self.spec_decode_num_drafts.inc(now.num_drafts - seen.num_drafts)
+        self.spec_decode_num_draft_tokens.inc(now.num_draft_tokens - seen.num_draft_tokens)
+        self.spec_decode_num_accepted_tokens.inc(now.num_accepted_tokens - seen.num_accepted_tokens)
+        before = seen.accepted_per_position
+        for position, count in enumerate(now.accepted_per_position):
+            previous = before[position] if position < len(before) else 0
+            if count > previous:
+                self._accepted_per_pos.labels(self.model_name, str(position)).inc(count - previous)
+        self._speculation_seen = copy.deepcopy(now)
 
     def observe_tokens(self, request, num_tokens: int) -> None:
         """``num_tokens`` new tokens of ``request`` arrived now."""
@@ -102,8 +136,9 @@ class EngineMetrics:
         self.e2e_request_latency.observe(time.monotonic() - request.arrival_time)
 
     def rebased(self, scheduler) -> None:
-        """A new scheduler (after a rebuild) counts preemptions from zero again."""
+        """A new scheduler (after a rebuild) counts preemptions and drafts from zero again."""
         self._preemptions_seen = scheduler.num_preemptions
+        self._speculation_seen = copy.deepcopy(scheduler.speculation)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

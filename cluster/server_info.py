@@ -44,6 +44,9 @@ def occupancy(engine) -> dict:
         prefix_cache_queried_tokens=scheduler.prefix_queried_tokens,
         prefix_cache_hit_tokens=scheduler.prefix_hit_tokens,
         num_requests_finished=scheduler.num_finished,
+        spec_decode_num_drafts=scheduler.speculation.num_drafts,
+        spec_decode_num_draft_tokens=scheduler.speculation.num_draft_tokens,
+        spec_decode_num_accepted_tokens=scheduler.speculation.num_accepted_tokens,
     )
 
 

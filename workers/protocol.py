@@ -47,7 +47,12 @@ class RequestDelta(msgspec.Struct, frozen=True, kw_only=True):
     # Blocks appended to each group's table since the last step.
     new_block_ids: list[list[int]]
     num_computed_tokens: int
+    # Tokens to compute: the request's last known token, then its drafts when it has any.
     num_new_tokens: int
+    # Speculative tokens proposed after the last known token (n-gram drafts): computed with
+    # it in this step and verified against the model's own samples; the worker keeps only
+    # those accepted.
+    draft_token_ids: list[int] = []
 
 
 class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
@@ -68,7 +73,8 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
 
 class StepResult(msgspec.Struct, frozen=True, kw_only=True):
     # Request id -> the token sampled this step, for requests that reached their last known
-    # token (a request in the middle of a chunked prefill samples nothing).
+    # token (a request in the middle of a chunked prefill samples nothing); after drafts, the
+    # token that follows the accepted ones.
     sampled: dict[str, int] = {}
     # For the sampled requests that asked: their token's log-probability and alternatives.
     logprobs: dict[str, TokenLogprobs] = {}
@@ -76,3 +82,6 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True):
     forward_seconds: float = 0.0
     # Constrained requests whose grammar refused the token sampled for them: they fail.
     refused: list[str] = []
+    # Requests that came with drafts -> how many of them were accepted. Their new tokens
+    # are that many drafts, then the token in ``sampled``.
+    num_accepted: dict[str, int] = {}

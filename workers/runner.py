@@ -90,16 +90,24 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         self._update_state(plan)
-        batch = self._schedule(plan)
+        drafts = {d.request_id: d.draft_token_ids for d in plan.deltas if d.draft_token_ids}
+        batch = self._schedule(plan, drafts)
         if not batch.request_ids:
             return StepResult()
-        request_ids, last_indices = self._sampled_rows(batch)
+        request_ids, row_indices = self._sampled_rows(batch, drafts)
         # The rows rank 0 samples, made once: their bitmasks are filled during the forward.
-        rows = [self._sampling_row(r) for r in request_ids] if get_tp_group().is_first_rank else []
+        rows = self._sampling_rows(request_ids, drafts) if get_tp_group().is_first_rank else []
         hidden, forward_seconds, masks = self._forward(batch, rows)
-        sampled, logprobs, refused = self._sample(request_ids, last_indices, rows, masks, hidden)
+        logits = self._logits(hidden, row_indices)
+        sampled, logprobs, refused, accepted = self._sample(
+            request_ids, drafts, rows, masks, logits
+        )
         return StepResult(
-            sampled=sampled, logprobs=logprobs, forward_seconds=forward_seconds, refused=refused
+            sampled=sampled,
+            logprobs=logprobs,
+            forward_seconds=forward_seconds,
+            refused=refused,
+            num_accepted=accepted,
         )
 
     def _update_state(self, plan: StepPlan) -> None:
@@ -125,7 +133,7 @@ class ModelRunner:
             for table, added in zip(self.block_tables, delta.new_block_ids, strict=True):
                 table.append(delta.request_id, added)
 
-    def _schedule(self, plan: StepPlan) -> StepBatch:
+    def _schedule(self, plan: StepPlan, drafts: dict[str, list[int]]) -> StepBatch:
         batch = StepBatch([], [], [], [], [], [])
         entries: list[NewRequest | RequestDelta] = [*plan.new_requests, *plan.deltas]
         for entry in entries:
@@ -133,32 +141,41 @@ class ModelRunner:
                 continue
             state = self.requests[entry.request_id]
             start, end = entry.num_computed_tokens, entry.num_computed_tokens + entry.num_new_tokens
-            if end > len(state.token_ids):
+            draft = drafts.get(entry.request_id, [])
+            known_end = end - len(draft)
+            if known_end > len(state.token_ids) or known_end <= start:
                 raise ValueError(
-                    f"Request {entry.request_id}: asked to compute tokens up to {end}, but only "
-                    f"{len(state.token_ids)} are known"
+                    f"Request {entry.request_id}: asked to compute tokens up to {known_end} "
+                    f"(then {len(draft)} drafts), but {len(state.token_ids)} are known"
                 )
+            if draft:
+                _check_draftable(entry.request_id, state, known_end)
             batch.request_ids.append(entry.request_id)
             batch.query_lens.append(entry.num_new_tokens)
             batch.seq_lens.append(end)
             batch.num_prompt_tokens.append(state.num_prompt_tokens)
-            batch.token_ids.extend(state.token_ids[start:end])
+            batch.token_ids.extend(state.token_ids[start:known_end])
+            batch.token_ids.extend(draft)
             batch.positions.extend(range(start, end))
         return batch
 
-    def _sampled_rows(self, batch: StepBatch) -> tuple[list[str], list[int]]:
+    def _sampled_rows(
+        self, batch: StepBatch, drafts: dict[str, list[int]]
+    ) -> tuple[list[str], list[int]]:
         """The requests whose known tokens are all computed this step (they sample), and the
-        index of each one's last token in the batch."""
-        rows, last_indices = [], []
+        batch indices of their sampled rows: each one's last known token, then its drafts
+        (a request with k drafts samples k + 1 rows)."""
+        request_ids, indices = [], []
         end = 0
         for request_id, query_len, seq_len in zip(
             batch.request_ids, batch.query_lens, batch.seq_lens, strict=True
         ):
             end += query_len
-            if seq_len == len(self.requests[request_id].token_ids):
-                rows.append(request_id)
-                last_indices.append(end - 1)
-        return rows, last_indices
+            num_drafts = len(drafts.get(request_id, ()))
+            if seq_len - num_drafts == len(self.requests[request_id].token_ids):
+                request_ids.append(request_id)
+                indices.extend(range(end - 1 - num_drafts, end))
+        return request_ids, indices
 
     def _forward(
         self, batch: StepBatch, rows: list[SamplingRow]
@@ -188,36 +205,82 @@ class ModelRunner:
                 masks = self.sampler.fill_masks(rows)
             return hidden, elapsed, masks
 
+    def _logits(self, hidden: torch.Tensor, row_indices: list[int]) -> torch.Tensor | None:
+        if not row_indices:
+            return None
+        with torch.inference_mode():
+            return self.model.compute_logits(hidden[row_indices])  # [rows, vocab]
+
     def _sample(
         self,
         request_ids: list[str],
-        last_indices: list[int],
+        drafts: dict[str, list[int]],
         rows: list[SamplingRow],
         masks: GrammarMasks | None,
-        hidden: torch.Tensor,
-    ) -> tuple[dict[str, int], dict[str, TokenLogprobs], list[str]]:
+        logits: torch.Tensor | None,
+    ) -> tuple[dict[str, int], dict[str, TokenLogprobs], list[str], dict[str, int]]:
         """Tokens for the requests whose known tokens are all computed (rank 0 draws from
-        ``rows``, every rank takes its tokens), the log-probabilities asked for and the
-        constrained requests whose grammar refused their token (rank 0's)."""
-        if not request_ids:
-            return {}, {}, []
-        with torch.inference_mode():
-            logits = self.model.compute_logits(hidden[last_indices])  # [R, vocab]
+        ``rows``, every rank takes its tokens), the log-probabilities asked for, the
+        constrained requests whose grammar refused their token (rank 0's) and, for requests
+        with drafts, how many were accepted: a request keeps its drafts up to the first one
+        rejected, then the token sampled in that one's place (after all of them: the token
+        sampled after the last)."""
+        if logits is None:
+            return {}, {}, [], {}
+        num_rows = logits.shape[0]
         logprobs, refused = {}, []
         if get_tp_group().is_first_rank:
-            sampled = self.sampler.sample_rows(logits, rows, masks)
-            tokens, logprobs = sampled.tokens, sampled.logprobs  # [R] int64 on self.device
-            refused = sampled.refused
+            row_drafts = [t for r in request_ids for t in (*drafts.get(r, ()), None)]
+            sampled = self.sampler.sample_rows(logits, rows, masks, row_drafts)
+            accepted = sampled.accepted
+            if accepted is None:
+                accepted = torch.zeros(num_rows, dtype=torch.bool, device=self.device)
+            # One broadcast for both: tokens, then acceptance as 0/1.
+            message = torch.cat([sampled.tokens, accepted.to(torch.int64)])
+            logprobs, refused = sampled.logprobs, sampled.refused
         else:
-            tokens = torch.empty(len(request_ids), dtype=torch.int64, device=self.device)
-        tokens = broadcast_from_first(tokens).tolist()
-        for request_id, token in zip(request_ids, tokens, strict=True):
-            self.requests[request_id].token_ids.append(token)
-        return dict(zip(request_ids, tokens, strict=True)), logprobs, refused
+            message = torch.empty(2 * num_rows, dtype=torch.int64, device=self.device)
+        message = broadcast_from_first(message).tolist()
+        tokens, accepted = message[:num_rows], message[num_rows:]
+        new_tokens, num_accepted = {}, {}
+        row = 0
+        for request_id in request_ids:
+            draft = drafts.get(request_id, ())
+            kept = 0
+            while kept < len(draft) and accepted[row + kept]:
+                kept += 1
+            token = tokens[row + kept]
+            self.requests[request_id].token_ids.extend([*draft[:kept], token])
+            new_tokens[request_id] = token
+            if draft:
+                num_accepted[request_id] = kept
+            row += len(draft) + 1
+        return new_tokens, logprobs, refused, num_accepted
 
-    def _sampling_row(self, request_id: str) -> SamplingRow:
-        state = self.requests[request_id]
-        split = state.num_prompt_tokens
-        return SamplingRow(
-            request_id, state.sampling, state.token_ids[:split], state.token_ids[split:]
+    def _sampling_rows(
+        self, request_ids: list[str], drafts: dict[str, list[int]]
+    ) -> list[SamplingRow]:
+        """One row per sampled position: a request with drafts has one per draft, each with
+        the drafts before it as outputs (penalties and min_tokens see them), then one more."""
+        rows = []
+        for request_id in request_ids:
+            state = self.requests[request_id]
+            split = state.num_prompt_tokens
+            prompt, outputs = state.token_ids[:split], state.token_ids[split:]
+            draft = drafts.get(request_id, [])
+            for index in range(len(draft) + 1):
+                row_outputs = [*outputs, *draft[:index]] if index else outputs
+                rows.append(SamplingRow(request_id, state.sampling, prompt, row_outputs))
+        return rows
+
+
+def _check_draftable(request_id: str, state: RunnerRequest, known_end: int) -> None:
+    """Drafts follow a request's last known token, and only where one sample per row is all
+    its output needs (no grammar to advance, no log-probabilities to report)."""
+    if known_end != len(state.token_ids):
+        raise ValueError(f"Request {request_id}: drafts must follow its last known token")
+    if state.sampling.is_constrained or state.sampling.logprobs is not None:
+        raise ValueError(
+            f"Request {request_id}: drafts are not verified for constrained requests or "
+            "requests asking for logprobs"
         )

@@ -47,6 +47,8 @@ class Sampled:
     logprobs: dict[str, TokenLogprobs]  # for the rows that asked
     # Constrained requests whose grammar refused the token drawn (it allowed none): failed.
     refused: list[str] = field(default_factory=list)
+    # [R] bool with drafts: whether each row's draft was accepted (False where it had none).
+    accepted: torch.Tensor | None = None
 
 
 class Sampler:
@@ -96,10 +98,16 @@ class Sampler:
         return self.sample_rows(logits, rows).tokens
 
     def sample_rows(
-        self, logits: torch.Tensor, rows: list[SamplingRow], masks: GrammarMasks | None = None
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        masks: GrammarMasks | None = None,
+        drafts: Sequence[int | None] | None = None,
     ) -> Sampled:
         """One token per row of ``logits`` ``[R, vocab]``. ``masks``: the constrained rows'
-        bitmasks, filled ahead by ``fill_masks`` (None: filled here when a row needs one)."""
+        bitmasks, filled ahead by ``fill_masks`` (None: filled here when a row needs one).
+        ``drafts``: per row, a speculative token to verify there (None: a plain draw); a row's
+        token is then its draft when accepted, else a draw that excludes it."""
         model_logits = logits
         logits = logits.float()  # the processors below make new tensors: the model's stay
         if any(row.params.has_penalties for row in rows):
@@ -112,12 +120,16 @@ class Sampler:
             logits = apply_token_bitmask(logits, rows_index, bitmask)
         if any(len(row.output_ids) < row.params.min_tokens for row in rows):
             logits = _hold_back_stops(logits, rows, self.eos_token_ids)
-        tokens = self._choose(logits, rows)
+        accepted = None
+        if drafts is not None and any(d is not None for d in drafts):
+            tokens, accepted = self._verify(logits, rows, drafts)
+        else:
+            tokens = self._choose(logits, rows)
         refused = []
         if masks is not None:
             chosen = tokens.index_select(0, rows_index).tolist()
             refused = self.grammars.accept([rows[i].request_id for i in indices], chosen)
-        return Sampled(tokens, _logprobs(model_logits, rows, tokens), refused)
+        return Sampled(tokens, _logprobs(model_logits, rows, tokens), refused, accepted)
 
     def fill_masks(self, rows: list[SamplingRow]) -> GrammarMasks | None:
         """The bitmasks of the rows a grammar constrains now (their indices, ``[C, W]``
@@ -131,38 +143,59 @@ class Sampler:
         return masks
 
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        params = [row.params for row in rows]
         greedy = logits.argmax(dim=-1)  # [R]
-        is_greedy = [p.is_greedy for p in params]
+        is_greedy = [row.params.is_greedy for row in rows]
         if all(is_greedy):
             return greedy
-        device = logits.device
-        # Greedy rows divide by 1: their draw is discarded, but must stay finite.
-        temperatures = [1.0 if p.is_greedy else max(p.temperature, MIN_TEMPERATURE) for p in params]
-        temperature = torch.tensor(temperatures, dtype=torch.float32, device=device)
-        logits = logits / temperature[:, None]
-        vocab_size = logits.shape[-1]
-        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-        top_p = [p.top_p for p in params]
-        if min(top_k) < vocab_size or min(top_p) < 1.0:
-            sampled = self._draw_filtered(logits, top_k, top_p, rows)
+        logits, top_k, top_p = _tempered(logits, rows)
+        if min(top_k) < logits.shape[-1] or min(top_p) < 1.0:
+            probs, order = _filtered_sorted(logits, top_k, top_p)
+            picked = self._draw(probs, rows)  # [R] positions in sorted order
+            sampled = order.gather(1, picked[:, None]).squeeze(1)
         else:
             sampled = self._draw(torch.softmax(logits, dim=-1), rows)
-        return torch.where(torch.tensor(is_greedy, device=device), greedy, sampled)
+        return torch.where(torch.tensor(is_greedy, device=logits.device), greedy, sampled)
 
-    def _draw_filtered(self, logits, top_k, top_p, rows) -> torch.Tensor:
-        """Top-k, then top-p, on logits sorted once; the draw happens in sorted order."""
+    def _verify(
+        self, logits: torch.Tensor, rows: list[SamplingRow], drafts: Sequence[int | None]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and acceptance for rows that verify drafts. A greedy row accepts its draft
+        when it is the argmax. A sampled row's draft came from a point mass, so speculative
+        sampling accepts it with probability p(draft) and otherwise draws from p with the
+        draft taken out: the token that results is distributed exactly as p."""
         device = logits.device
-        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, V]
-        rank = torch.arange(logits.shape[-1], device=device)[None, :]  # [1, V]
-        k = torch.tensor(top_k, dtype=torch.int64, device=device)[:, None]  # [R, 1]
-        sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the tokens ranked above it already reach top_p (the top one stays).
-        p = torch.tensor(top_p, dtype=torch.float32, device=device)[:, None]
-        probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= p, 0.0)
-        picked = self._draw(probs, rows)  # [R] positions in sorted order
-        return order.gather(1, picked[:, None]).squeeze(1)
+        draft = torch.tensor([-1 if d is None else d for d in drafts], device=device)
+        has_draft = draft >= 0
+        greedy = logits.argmax(dim=-1)
+        is_greedy = torch.tensor([row.params.is_greedy for row in rows], device=device)
+        if bool(is_greedy.all()):
+            return greedy, has_draft & (greedy == draft)
+        tempered, top_k, top_p = _tempered(logits, rows)
+        if min(top_k) < logits.shape[-1] or min(top_p) < 1.0:
+            sorted_probs, order = _filtered_sorted(tempered, top_k, top_p)
+            probs = torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
+        else:
+            probs = torch.softmax(tempered, dim=-1)
+        safe_draft = draft.clamp_min(0)[:, None]
+        p_draft = probs.gather(1, safe_draft).squeeze(1) / probs.sum(dim=-1)
+        residual = probs.scatter(1, safe_draft, 0.0)
+        # A draft holding all the mass is accepted whatever rounding says: nothing is left.
+        nothing_left = residual.sum(dim=-1) <= 0
+        accepted = has_draft & ((self._uniform(rows) < p_draft) | nothing_left)
+        residual = torch.where(has_draft[:, None], residual, probs)
+        sampled = torch.where(accepted, draft, self._draw(residual, rows))
+        tokens = torch.where(is_greedy, greedy, sampled)
+        accepted = torch.where(is_greedy, has_draft & (greedy == draft), accepted)
+        return tokens, accepted
+
+    def _uniform(self, rows: list[SamplingRow]) -> torch.Tensor:
+        """One U[0, 1) per row, a seeded row's from its own generator."""
+        draws = torch.rand(len(rows), generator=self._shared, device=self.device)
+        for index, row in enumerate(rows):
+            if row.params.seed is not None and not row.params.is_greedy:
+                generator = self._generators[row.request_id]
+                draws[index] = torch.rand(1, generator=generator, device=self.device)[0]
+        return draws
 
     def _draw(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """A draw per row by the exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)``
@@ -173,6 +206,32 @@ class Sampler:
                 noise[index].exponential_(generator=self._generators[row.request_id])
         # A draw of exactly 0 would make a filtered-out token 0 / 0 = NaN, which argmax picks.
         return (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
+
+
+def _tempered(logits: torch.Tensor, rows: list[SamplingRow]):
+    """Logits divided by each row's temperature, and its top-k and top-p (whole vocabulary
+    where a row does not filter). Greedy rows divide by 1: their draw is discarded, but must
+    stay finite."""
+    params = [row.params for row in rows]
+    temperatures = [1.0 if p.is_greedy else max(p.temperature, MIN_TEMPERATURE) for p in params]
+    temperature = torch.tensor(temperatures, dtype=torch.float32, device=logits.device)
+    vocab_size = logits.shape[-1]
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    return logits / temperature[:, None], top_k, [p.top_p for p in params]
+
+
+def _filtered_sorted(logits: torch.Tensor, top_k: list[int], top_p: list[float]):
+    """Top-k, then top-p, on logits sorted once: the kept probabilities in sorted order
+    (unnormalised) and the order (sorted position -> token id)."""
+    device = logits.device
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, V]
+    rank = torch.arange(logits.shape[-1], device=device)[None, :]  # [1, V]
+    k = torch.tensor(top_k, dtype=torch.int64, device=device)[:, None]  # [R, 1]
+    sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Drop a token when the tokens ranked above it already reach top_p (the top one stays).
+    p = torch.tensor(top_p, dtype=torch.float32, device=device)[:, None]
+    return probs.masked_fill(probs.cumsum(dim=-1) - probs >= p, 0.0), order
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -222,6 +222,13 @@ def prefix(config: EngineConfig, args) -> list[dict]:
     return rows
 
 
+def speculative(config: EngineConfig, args) -> list[dict]:
+    """Speculative decoding off and on (``cluster.bench.speculative``)."""
+    from cluster.bench.speculative import speculative as measure_speculative
+
+    return measure_speculative(config, args)
+
+
 def decode(config: EngineConfig, args) -> list[dict]:
     """The cost of one decode step at each context length (``cluster.bench.decode_cost``)."""
     return decode_cost(config, args)

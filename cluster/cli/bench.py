@@ -1,5 +1,6 @@
-"""``kvray bench``: throughput, serving latency, prefix caching and a decode step's cost by
-context length, printed as a table and optionally written as JSON (``cluster.bench``)."""
+"""``kvray bench``: throughput, serving latency, prefix caching, a decode step's cost by
+context length and speculative decoding off vs on, printed as a table and optionally written as
+JSON (``cluster.bench``)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def add_parser(commands, common) -> None:
     _add_serve(modes, shared, lengths)
     _add_prefix(modes, shared)
     _add_decode(modes, reported, lengths)
+    _add_speculative(modes, reported)
 
 
 def _add_throughput(modes, shared, lengths) -> None:
@@ -126,6 +128,20 @@ def _add_decode(modes, reported, lengths) -> None:
         help="decode steps run before the timed ones (default 4)",
     )
     add_setting_flags(decode)
+
+
+def _add_speculative(modes, reported) -> None:
+    speculative = modes.add_parser(
+        "speculative",
+        parents=[reported],
+        help="repeat-this-text requests, one at a time, with speculative decoding off and on",
+    )
+    speculative.add_argument("--num-prompts", type=int, default=4)
+    speculative.add_argument(
+        "--output-len", type=int, default=128, help="tokens per request (default 128)"
+    )
+    add_in_process_flag(speculative)
+    add_setting_flags(speculative)
 
 
 def run(args) -> int:

@@ -18,16 +18,15 @@ from cluster.scheduler.scheduler import Scheduler
 def end_stopped(
     scheduler: Scheduler, requests: Iterable[EngineRequest]
 ) -> tuple[list[EngineRequest], list[tuple[EngineRequest, Exception]]]:
-    """Detokenize the token each of ``requests`` just got and finish those it stops. Returns
-    the requests processed, and those whose output could not be (with why): each fails
+    """Detokenize the tokens each of ``requests`` just got (one, or several after accepted
+    drafts) and finish those they stop; tokens after the one that stops a request are dropped.
+    Returns the requests processed, and those whose output could not be (with why): each fails
     alone."""
     eos_token_ids, max_model_len = scheduler.config.eos_token_ids, scheduler.config.max_model_len
     done, failed = [], []
     for request in requests:
         try:
-            token = request.kv.token_ids[-1]
-            request.detokenizer.add([token])
-            reason = check_stop(request, token, eos_token_ids, max_model_len)
+            reason = _stop_in_step(request, eos_token_ids, max_model_len)
         except Exception as exc:
             failed.append((request, exc))
             continue
@@ -37,19 +36,47 @@ def end_stopped(
     return done, failed
 
 
-def check_stop(
-    request: EngineRequest, token: int, eos_token_ids: tuple[int, ...], max_model_len: int
+def _stop_in_step(
+    request: EngineRequest, eos_token_ids: tuple[int, ...], max_model_len: int
 ) -> str | None:
-    """The finish reason after ``token`` was appended (its text already detokenized)."""
+    """Check the step's new tokens one by one; at the first that stops the request, drop
+    the rest from its tokens and its pending output."""
+    tokens = request.kv.token_ids
+    first = len(tokens) - max(request.num_step_tokens, 1)
+    for end in range(first + 1, len(tokens) + 1):
+        token = tokens[end - 1]
+        request.detokenizer.add([token])
+        reason = check_stop(request, token, eos_token_ids, max_model_len, num_tokens=end)
+        if reason is not None:
+            dropped = len(tokens) - end
+            if dropped:
+                del tokens[end:]
+                del request.pending_token_ids[-dropped:]
+            return reason
+    return None
+
+
+def check_stop(
+    request: EngineRequest,
+    token: int,
+    eos_token_ids: tuple[int, ...],
+    max_model_len: int,
+    num_tokens: int | None = None,
+) -> str | None:
+    """The finish reason after ``token`` was appended (its text already detokenized), as the
+    request's ``num_tokens``-th token (None: its last)."""
+    if num_tokens is None:
+        num_tokens = request.kv.num_tokens
+    num_outputs = num_tokens - request.num_prompt_tokens
     params = request.sampling
     ends_at_eos = not params.ignore_eos or params.is_constrained
     if token in params.stop_token_ids or (ends_at_eos and token in eos_token_ids):
         return "stop"
     # Below min_tokens the sampler holds stop tokens back, and stop strings are not looked for.
-    is_past_min = request.num_output_tokens >= params.min_tokens
+    is_past_min = num_outputs >= params.min_tokens
     if params.stop and is_past_min and _cut_at_stop_string(request):
         return "stop"
-    if request.num_output_tokens >= params.max_tokens or request.kv.num_tokens >= max_model_len:
+    if num_outputs >= params.max_tokens or num_tokens >= max_model_len:
         return "length"
     return None
 

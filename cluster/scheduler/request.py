@@ -46,6 +46,16 @@ class EngineRequest:
     emitted_text_len: int = 0  # characters already sent, for stop-string hold-back
     # A constrained request's compiled grammar, sent to the workers with its first step.
     grammar: bytes | None = None
+    # Speculative tokens sent with the step in flight, to verify there (empty: none).
+    draft_token_ids: list[int] = field(default_factory=list)
+    # Tokens the latest step added: one, or more when drafts were accepted.
+    num_step_tokens: int = 0
+
+    @property
+    def can_speculate(self) -> bool:
+        """Whether drafts may be verified for it: one sample per position is all its output
+        needs (no grammar to advance, no log-probabilities to report per draft)."""
+        return not self.sampling.is_constrained and self.sampling.logprobs is None
 
     @property
     def num_prompt_tokens(self) -> int:

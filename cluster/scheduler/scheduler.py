@@ -4,9 +4,11 @@ preemption by recompute.
 Each step the scheduler first gives running requests their next tokens (one for a decode, the
 rest of the prompt, chunked, for a prefill), oldest first; when the pool runs out of blocks it
 preempts the newest running request (its blocks go back; it will recompute, helped by the
-prefix cache). With budget and sequence slots left, waiting requests are admitted in arrival
-order with their longest cached prefix. The scheduler sees block ids and counts only; the
-coordinator owns the pool.
+prefix cache). With a proposer (speculative decoding) a decode also carries drafts, and its
+computed count falls back to what the workers accepted when the step returns, so the prefix
+cache only ever holds verified tokens. With budget and sequence slots left, waiting requests
+are admitted in arrival order with their longest cached prefix. The scheduler sees block ids
+and counts only; the coordinator owns the pool.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cluster.scheduler.request import EngineRequest, RequestStatus
+from cluster.speculative.ngram import NgramProposer
 from kvcore.coordinator import KVCacheCoordinator
 from workers.protocol import NewRequest, RequestDelta, StepPlan, StepResult
 
@@ -57,10 +60,38 @@ def new_request_message(
     )
 
 
+@dataclass
+class SpeculationStats:
+    """Drafts sent and accepted since the engine started (vLLM's spec_decode counters)."""
+
+    num_drafts: int = 0  # steps in which a request carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [k]: drafts k+1 deep
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        missing = num_drafts - len(self.accepted_per_position)
+        if missing > 0:
+            self.accepted_per_position.extend([0] * missing)
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+
 class Scheduler:
-    def __init__(self, coordinator: KVCacheCoordinator, config: SchedulerConfig):
+    def __init__(
+        self,
+        coordinator: KVCacheCoordinator,
+        config: SchedulerConfig,
+        proposer: NgramProposer | None = None,
+    ):
         self.coordinator = coordinator
         self.config = config
+        # Drafts for decodes (None: no speculative decoding).
+        self.proposer = proposer
+        self.speculation = SpeculationStats()
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self.requests: dict[str, EngineRequest] = {}
@@ -108,6 +139,12 @@ class Scheduler:
             self.on_finish(request)
 
     @property
+    def schedules_ahead(self) -> bool:
+        """Whether a step may be planned while the one before runs. Not with drafts: a
+        request's tokens after a verifying step are unknown until it returns."""
+        return self.proposer is None
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._finished_ids or self._preempted_ids)
 
@@ -120,7 +157,8 @@ class Scheduler:
         preempted request would lose the token that step samples for it: when a request
         cannot grow, the step stops there and preemption waits for the results."""
         budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[EngineRequest, int, list[list[int]]]] = []
+        # (request, tokens to compute, blocks added, drafts among those tokens)
+        scheduled: list[tuple[EngineRequest, int, list[list[int]], list[int]]] = []
         budget, preempted = self._schedule_running(budget, scheduled, ahead)
         if not preempted:
             self._schedule_waiting(budget, scheduled)
@@ -135,7 +173,12 @@ class Scheduler:
             if num_new <= 0 or (ahead and request.is_at_limit(self.config.max_model_len)):
                 index += 1
                 continue
+            drafts = self._drafts(request, budget) if num_new == 1 else []
+            num_new += len(drafts)
             new_blocks = self.coordinator.allocate(request.kv, num_new)
+            if new_blocks is None and drafts:  # no room to speculate: decode plainly
+                drafts, num_new = [], 1
+                new_blocks = self.coordinator.allocate(request.kv, num_new)
             if new_blocks is None and ahead:
                 return budget, True  # out of blocks: preempt once the results are in
             while new_blocks is None:
@@ -147,10 +190,24 @@ class Scheduler:
                 new_blocks = self.coordinator.allocate(request.kv, num_new)
             if new_blocks is None:
                 break
-            scheduled.append((request, num_new, new_blocks))
+            scheduled.append((request, num_new, new_blocks, drafts))
             budget -= num_new
             index += 1
         return budget, preempted
+
+    def _drafts(self, request: EngineRequest, budget: int) -> list[int]:
+        """Drafts for a decode whose tokens are all known: as many as the proposer finds,
+        within the step's budget and so that accepting all of them (and the token after)
+        passes neither ``max_tokens`` nor the model's length."""
+        if self.proposer is None or request.num_inflight_samples or not request.can_speculate:
+            return []
+        kv = request.kv
+        room = min(
+            budget - 1,
+            request.sampling.max_tokens - request.num_output_tokens - 1,
+            self.config.max_model_len - kv.num_tokens - 1,
+        )
+        return self.proposer.propose(kv.token_ids, room)
 
     def _schedule_waiting(self, budget: int, scheduled) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -167,7 +224,7 @@ class Scheduler:
                 self._record_lookup(request, hit)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append((request, num_new, new_blocks))
+            scheduled.append((request, num_new, new_blocks, []))
             budget -= num_new
 
     def _record_lookup(self, request: EngineRequest, hit) -> None:
@@ -182,6 +239,7 @@ class Scheduler:
         self.coordinator.free(request.kv)
         request.kv.num_computed_tokens = 0
         request.num_inflight_samples = 0  # preemption waits for every step's results
+        request.draft_token_ids = []
         request.status = RequestStatus.PREEMPTED
         if request.is_on_workers:
             self._preempted_ids.append(request.request_id)
@@ -194,7 +252,7 @@ class Scheduler:
         now (so the next step can be planned before this one returns), and a request whose
         step reaches its last known token will sample one more."""
         new_requests, deltas = [], []
-        for request, num_new, new_blocks in scheduled:
+        for request, num_new, new_blocks, drafts in scheduled:
             kv = request.kv
             if request.is_on_workers:
                 deltas.append(
@@ -203,6 +261,7 @@ class Scheduler:
                         new_block_ids=new_blocks,
                         num_computed_tokens=kv.num_computed_tokens,
                         num_new_tokens=num_new,
+                        draft_token_ids=drafts,
                     )
                 )
             else:
@@ -210,7 +269,8 @@ class Scheduler:
                 new_requests.append(new_request_message(request, block_ids, num_new))
                 request.is_on_workers = request.was_sent = True
             kv.num_computed_tokens += num_new
-            if kv.num_computed_tokens == request.num_known_tokens:
+            request.draft_token_ids = drafts
+            if kv.num_computed_tokens - len(drafts) == request.num_known_tokens:
                 request.num_inflight_samples += 1
         plan = StepPlan(
             new_requests=new_requests,
@@ -219,7 +279,7 @@ class Scheduler:
             preempted_ids=self._preempted_ids,
         )
         self._finished_ids, self._preempted_ids = [], []
-        return ScheduledStep(plan, [(request, num_new) for request, num_new, _ in scheduled])
+        return ScheduledStep(plan, [(request, num_new) for request, num_new, _, _ in scheduled])
 
     def update(
         self, step: ScheduledStep, result: StepResult
@@ -232,7 +292,7 @@ class Scheduler:
             if request.is_finished or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             try:
-                if self._apply(request, result.sampled.get(request.request_id)):
+                if self._apply(request, result):
                     touched.append(request)
                     logprobs = result.logprobs.get(request.request_id)
                     if logprobs is not None:
@@ -241,18 +301,33 @@ class Scheduler:
                 failed.append((request, exc))
         return touched, failed
 
-    def _apply(self, request: EngineRequest, token: int | None) -> bool:
-        """Take in ``request``'s part of a step's result; True when it has a new token.
-        Full blocks are offered to the prefix cache up to what the steps sent will have
-        computed: any step that could reuse them runs after those."""
+    def _apply(self, request: EngineRequest, result: StepResult) -> bool:
+        """Take in ``request``'s part of a step's result; True when it has new tokens.
+        Drafts rejected fall out of the computed count (their slots are rewritten by later
+        steps). Full blocks are offered to the prefix cache up to what the steps sent will
+        have computed: any step that could reuse them runs after those."""
         kv = request.kv
+        token = result.sampled.get(request.request_id)
+        drafts, request.draft_token_ids = request.draft_token_ids, []
+        new_tokens = []
+        if drafts:
+            if token is None:
+                raise RuntimeError("the workers sampled nothing after its drafts")
+            num_accepted = result.num_accepted.get(request.request_id, 0)
+            if not 0 <= num_accepted <= len(drafts):
+                raise RuntimeError(f"{num_accepted} of {len(drafts)} drafts accepted")
+            kv.num_computed_tokens -= len(drafts) - num_accepted
+            new_tokens = drafts[:num_accepted]
+            self.speculation.record(len(drafts), num_accepted)
         if token is not None:
             request.num_inflight_samples -= 1
-            kv.append_token_ids((token,))
+            new_tokens.append(token)
+            kv.append_token_ids(new_tokens)
         self.coordinator.cache_blocks(kv, min(kv.num_computed_tokens, kv.num_tokens))
+        request.num_step_tokens = len(new_tokens)
         if token is None:
             return False
-        request.pending_token_ids.append(token)
+        request.pending_token_ids.extend(new_tokens)
         return True
 
     def kv_slot_usage(self) -> tuple[int, int]:

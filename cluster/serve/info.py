@@ -18,6 +18,9 @@ SUMMED = (
     "num_waiting_requests",
     "prefix_cache_queried_tokens",
     "prefix_cache_hit_tokens",
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
 )
 
 

@@ -1,0 +1,197 @@
+"""N-gram speculative decoding through the real engine (scheduler, coordinator, worker, gRPC):
+greedy tokens equal transformers' for a dense Llama and an MLA DeepSeek with drafts both
+accepted and rejected, under chunked prefill, preemption and prefix hits (a hit on blocks a
+rejected draft once wrote must hold the verified K/V); stops inside accepted drafts end where
+plain decoding ends; TP 2 on Ray agrees; Mamba models are refused by name."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import ray
+import torch
+
+from cluster.client import Client
+from cluster.config import EngineConfig
+from cluster.local import LocalServer
+from tests.cluster.servers import RayServer
+from tests.workers.hf_models import (
+    COMMON,
+    PROMPTS,
+    reference_generations,
+    save_deepseek,
+    save_nemotron_h,
+)
+
+SPEC = json.dumps(
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+)
+# Prompts that repeat themselves, so drafts come from the start; 40 outputs each.
+REPEATING = [p + p for p in PROMPTS]
+NUM_TOKENS = 40
+# Weights this size make greedy outputs partly loop and partly wander: some drafts are
+# accepted and some rejected, which is what these tests need (at 0.5 none are accepted).
+INIT_RANGE = 0.1
+
+
+def save_llama(directory):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**COMMON, "initializer_range": INIT_RANGE})
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return directory
+
+
+def saved(family: str, directory):
+    """The checkpoint, transformers' outputs for REPEATING, and follow-up prompts (a prompt and
+    20 of its outputs) with transformers' outputs for them."""
+    if family == "llama":
+        save_llama(directory)
+    else:
+        save_deepseek(directory, q_lora_rank=24, initializer_range=INIT_RANGE)
+    expected = reference_generations(directory, REPEATING, NUM_TOKENS)
+    follow_ups = [p + out[:20] for p, out in zip(REPEATING, expected, strict=True)]
+    return family, directory, expected, follow_ups, reference_generations(directory, follow_ups, 12)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return saved("llama", tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    return saved("deepseek", tmp_path_factory.mktemp("deepseek"))
+
+
+@pytest.fixture(params=["llama", "deepseek"])
+def model(request):
+    return request.getfixturevalue(request.param)
+
+
+def engine_config(directory, **settings) -> EngineConfig:
+    return EngineConfig(
+        model=str(directory),
+        port=0,
+        block_size=4,
+        **{
+            "max_model_len": 256,
+            "speculative_config": SPEC,
+            "kv_cache_memory_bytes": 16 << 20,
+            **settings,
+        },
+    )
+
+
+def speculation_counts(client: Client) -> tuple[int, int, int]:
+    info = client.info()
+    return (
+        info["spec_decode_num_drafts"],
+        info["spec_decode_num_draft_tokens"],
+        info["spec_decode_num_accepted_tokens"],
+    )
+
+
+def generate_all(address: str, prompts, max_tokens: int) -> list[list[int]]:
+    """Every prompt at once, each from its own thread (they batch in the engine)."""
+    results: list = [None] * len(prompts)
+
+    def run(index):
+        with Client(address) as own:
+            done = own.generate(prompts[index], max_tokens=max_tokens, temperature=0)
+            results[index] = done.token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def test_greedy_tokens_equal_transformers_with_drafts_accepted_and_rejected(model):
+    family, directory, expected, follow_ups, follow_up_expected = model
+    layout = "LHBNC" if family == "llama" else "BLHNC"
+    # A budget of 24 tokens chunks every prompt off block boundaries and caps drafts too.
+    config = engine_config(directory, kv_cache_layout=layout, max_num_batched_tokens=24)
+    with LocalServer(config) as server, Client(server.address) as client:
+        assert generate_all(server.address, REPEATING, NUM_TOKENS) == expected
+        drafts, draft_tokens, accepted = speculation_counts(client)
+        assert drafts > 0 and 0 < accepted < draft_tokens
+        # The follow-ups hit blocks whose last slots rejected drafts wrote before the
+        # verified tokens did: only verified K/V may have been cached.
+        for prompt, want in zip(follow_ups, follow_up_expected, strict=True):
+            done = client.generate(prompt, max_tokens=12, temperature=0)
+            assert done.usage.cached_prompt_tokens > 0
+            assert done.token_ids == want
+
+
+def test_preemption_with_drafts_in_play_keeps_the_tokens(model):
+    _, directory, expected, _, _ = model
+    # 40 blocks of 4 tokens hold one request of the longest (128), not all three at once
+    # (100 + 46 + 78 tokens).
+    config = engine_config(directory, num_gpu_blocks_override=40, max_model_len=128)
+    with LocalServer(config) as server, Client(server.address) as client:
+        assert generate_all(server.address, REPEATING, NUM_TOKENS) == expected
+        assert server.engine.scheduler.num_preemptions > 0
+        assert speculation_counts(client)[2] > 0
+
+
+def test_stops_and_lengths_end_where_plain_decoding_ends(model):
+    _, directory, expected, _, _ = model
+    with LocalServer(engine_config(directory)) as server, Client(server.address) as client:
+        for prompt, want in zip(REPEATING, expected, strict=True):
+            for max_tokens in (5, 13):
+                done = client.generate(prompt, max_tokens=max_tokens, temperature=0)
+                assert done.token_ids == want[:max_tokens]
+                assert done.finish_reason == "length"
+            # A stop token's first occurrence ends the request; several, so that some fall
+            # inside a step's accepted drafts and some at its end.
+            for stop in list(dict.fromkeys(want[1:]))[:8]:
+                done = client.generate(
+                    prompt, max_tokens=NUM_TOKENS, temperature=0, stop_token_ids=[stop]
+                )
+                assert done.token_ids == want[: want.index(stop) + 1]
+                assert done.finish_reason == "stop"
+                assert done.usage.completion_tokens == len(done.token_ids)
+        # Requests asking for log-probabilities decode without drafts and still answer.
+        before = speculation_counts(client)
+        done = client.generate(REPEATING[0], max_tokens=8, temperature=0, logprobs=2)
+        assert done.token_ids == expected[0][:8] and len(done.logprobs) == 8
+        assert speculation_counts(client) == before
+        # Sampled requests verify drafts by speculative sampling.
+        sampled = client.generate(REPEATING[0], max_tokens=30, temperature=0.8, seed=7)
+        assert len(sampled.token_ids) == 30
+        metrics = server.engine.metrics.render().decode()
+        assert "kvray:spec_decode_num_accepted_tokens_total" in metrics
+        assert "kvray:spec_decode_num_accepted_tokens_per_pos_total{model_name=" in metrics
+
+
+def test_tensor_parallel_ranks_agree_on_what_was_accepted(llama):
+    _, directory, expected, _, _ = llama
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        server = RayServer(engine_config(directory, tensor_parallel_size=2, cpus_per_worker=1))
+        try:
+            with Client(server.address) as client:
+                assert generate_all(server.address, REPEATING, NUM_TOKENS) == expected
+                assert speculation_counts(client)[2] > 0
+        finally:
+            server.stop()
+    finally:
+        ray.shutdown()
+
+
+def test_models_with_mamba_layers_are_refused(tmp_path):
+    from cluster.assembly import speculative_proposer
+
+    directory = save_nemotron_h(tmp_path, "M*-", n_groups=1)
+    server = LocalServer(engine_config(directory, speculative_config=None))
+    try:
+        with pytest.raises(ValueError, match=r"Mamba layers .* cannot yet be rolled back"):
+            speculative_proposer(engine_config(directory), server.kv_config)
+    finally:
+        server.worker.shutdown()
