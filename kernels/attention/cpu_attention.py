@@ -119,13 +119,7 @@ def paged_decode_attention(
     num_reqs = seq_lens.shape[0]
     if num_reqs == 0:
         return
-    # Items (request, KV head), split over threads by how many keys each reads.
-    items = torch.arange(num_reqs * params.num_kv_heads, dtype=torch.int64, device="cpu")
-    work = seq_lens.to(torch.int64).repeat_interleave(params.num_kv_heads)
-    if params.sliding_window is not None:
-        work = work.clamp(max=params.sliding_window)
-    num_threads = max(1, min(torch.get_num_threads(), MAX_THREADS, items.numel()))
-    bounds = _split(work, num_threads)
+    items, bounds, num_threads = _work_split(seq_lens, params.num_kv_heads, params.sliding_window)
     sinks = None
     if params.sinks is not None:
         sinks = params.sinks.to(device="cpu", dtype=torch.float32).contiguous()
@@ -163,6 +157,31 @@ def paged_decode_attention(
         _check_host_memory(sinks=sinks)
     if kernel(ctypes.byref(args), bounds.data_ptr(), num_threads) != 0:
         raise ValueError("the CPU decode kernel refused these sizes")
+
+
+_last_split: list = [None]  # (key, split) of the latest step's layers
+
+
+def _work_split(
+    seq_lens: torch.Tensor, num_kv_heads: int, sliding_window: int | None
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The items (request, KV head) and their split over threads by how many keys each
+    reads. Every layer of a step passes the same sequence lengths, so the split is made once
+    per step (it was ten small ops per layer): it is reused while the lengths and settings
+    are those of the split before (compared by value, so a buffer rewritten in place is
+    never mistaken for the last step's)."""
+    num_threads = max(1, min(torch.get_num_threads(), MAX_THREADS, len(seq_lens) * num_kv_heads))
+    key = (num_kv_heads, sliding_window, num_threads)
+    cached = _last_split[0]
+    if cached is not None and cached[0] == key and torch.equal(cached[1], seq_lens):
+        return cached[2]
+    items = torch.arange(len(seq_lens) * num_kv_heads, dtype=torch.int64, device="cpu")
+    work = seq_lens.to(torch.int64).repeat_interleave(num_kv_heads)
+    if sliding_window is not None:
+        work = work.clamp(max=sliding_window)
+    split = (items, _split(work, num_threads), num_threads)
+    _last_split[0] = (key, seq_lens.clone(), split)
+    return split
 
 
 def _split(work: torch.Tensor, num_parts: int) -> torch.Tensor:

@@ -66,23 +66,36 @@ def kernel():
 
 
 def _args(weight: QuantizedMatrix, x: torch.Tensor | None, y: torch.Tensor | None) -> QMatmulArgs:
+    args = QMatmulArgs.from_buffer_copy(_weight_args(weight))
+    if x is not None:
+        args.x, args.stride_x, args.m = x.data_ptr(), x.stride(0), x.shape[0]
+    if y is not None:
+        args.y, args.stride_y = y.data_ptr(), y.stride(0)
+    return args
+
+
+def _weight_args(weight: QuantizedMatrix) -> QMatmulArgs:
+    """The weight's half of the kernel's arguments, made once per weight (a decode step calls
+    the kernel some 200 times: rebuilding them was a tenth of SmolLM2's step). Kept while the
+    weight's blocks stay where they are (loading copies into them in place)."""
+    pointers = (weight.qs.data_ptr(), weight.scales.data_ptr(), weight.mins.data_ptr())
+    cached = weight._kernel_args
+    if cached is not None and cached[0] == pointers:
+        return cached[1]
     for name, part in (("qs", weight.qs), ("scales", weight.scales), ("mins", weight.mins)):
         if not part.is_contiguous():
             raise ValueError(f"the quantized weight's {name} must be contiguous")
     n, k = weight.shape
-    return QMatmulArgs(
-        x=None if x is None else x.data_ptr(),
-        stride_x=0 if x is None else x.stride(0),
-        y=None if y is None else y.data_ptr(),
-        stride_y=0 if y is None else y.stride(0),
-        qs=weight.qs.data_ptr(),
-        scales=weight.scales.data_ptr(),
-        mins=weight.mins.data_ptr() if weight.kind == Q4 else None,
-        m=0 if x is None else x.shape[0],
+    args = QMatmulArgs(
+        qs=pointers[0],
+        scales=pointers[1],
+        mins=pointers[2] if weight.kind == Q4 else None,
         n=n,
         k=k,
         kind=KIND_CODES[weight.kind],
     )
+    weight._kernel_args = (pointers, args)
+    return args
 
 
 def _call(function, *args) -> None:
@@ -94,7 +107,7 @@ def _call(function, *args) -> None:
 def dequantize(weight: QuantizedMatrix) -> torch.Tensor:
     """The float32 ``[rows, cols]`` weight, expanded by the kernel on all threads."""
     out = torch.empty(weight.shape, dtype=torch.float32)
-    _call(kernel().gguf_dequantize, ctypes.byref(_args(weight, None, None)), out.data_ptr())
+    _call(kernel().gguf_dequantize, _args(weight, None, None), out.data_ptr())
     return out
 
 
@@ -112,7 +125,7 @@ def quantized_linear(
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)
     if rows.shape[0]:
-        _call(kernel().gguf_matmul, ctypes.byref(_args(weight, rows, out)))
+        _call(kernel().gguf_matmul, _args(weight, rows, out))
     if bias is not None:
         out += bias
     return out.reshape(*x.shape[:-1], n)

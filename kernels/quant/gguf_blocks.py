@@ -22,13 +22,15 @@ GGUF_TYPES = {"Q4_0": (Q4, 18), "Q4_1": (Q4, 20), "Q8_0": (Q8, 34)}
 class QuantizedMatrix:
     """A ``[rows, cols]`` weight in blocks of 32 along each row (``cols`` a multiple of 32)."""
 
-    __slots__ = ("kind", "mins", "qs", "scales")
+    # _kernel_args: the CPU kernel's arguments for these blocks (kernels.quant.cpu_matmul).
+    __slots__ = ("_kernel_args", "kind", "mins", "qs", "scales")
 
     def __init__(self, kind: str, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
         self.kind = kind
         self.qs = qs  # [rows, cols / 2] uint8 (q4) or [rows, cols] int8 (q8)
         self.scales = scales  # [rows, cols / 32] float16
         self.mins = mins  # [rows, cols / 32] float16; [rows, 0] for q8
+        self._kernel_args = None
 
     @classmethod
     def zeros(cls, kind: str, rows: int, cols: int) -> QuantizedMatrix:

@@ -110,3 +110,18 @@ def test_the_built_kernel_is_reused_from_the_cache(monkeypatch, tmp_path):
     stamp = first.stat().st_mtime_ns
     assert cpu_attention._build() == first and first.stat().st_mtime_ns == stamp
     assert first.parent == tmp_path / "kvray"
+
+
+def test_the_thread_split_is_made_once_per_step_and_never_reused_for_other_lengths():
+    _work_split = cpu_attention._work_split
+    seq_lens = torch.tensor([5, 9, 300], dtype=torch.int32)
+    first = _work_split(seq_lens, 2, None)
+    # Another layer of the step: the same lengths, the same split.
+    assert _work_split(seq_lens.clone(), 2, None) is first
+    # The same buffer written in place for the next step, or other settings: a new split.
+    seq_lens[0] = 400
+    moved = _work_split(seq_lens, 2, None)
+    assert moved is not first and moved[1][-1] == 6
+    assert _work_split(seq_lens, 2, 64) is not moved
+    items, bounds, num_threads = _work_split(seq_lens, 4, None)
+    assert items.tolist() == list(range(12)) and len(bounds) == num_threads + 1

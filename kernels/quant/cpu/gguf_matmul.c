@@ -12,17 +12,26 @@
  *          scales and mins [N, K/32] float16.
  *   8-bit: qs [N, K] int8; scales [N, K/32] float16; mins unused.
  *
+ * Vector paths: AVX-512, else AVX2 with FMA, else portable C (the compiler's -march=native
+ * picks; kernels/c_build.py compiles per CPU).
+ *
  * Rows of W are split over the OpenMP threads of the process (torch's own pool, as the library
  * resolves libgomp to the one torch has loaded).
  */
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 enum { KIND_Q4 = 0, KIND_Q8 = 1 };
+/* x rows per tile: with AVX2's 16 vector registers, 4 rows keep two weight rows' expanded
+ * block (8 registers) and the accumulators (8) in registers. */
+#if defined(__AVX512F__) || !(defined(__AVX2__) && defined(__FMA__))
 enum { BLOCK = 32, ROWS_PER_TILE = 8 };
+#else
+enum { BLOCK = 32, ROWS_PER_TILE = 4 };
+#endif
 
 typedef struct {
     const float *x;
@@ -120,6 +129,62 @@ static void row_tile(const QMatmulArgs *a, int64_t n, int pair, int64_t i, int r
         if (pair) y[1] = _mm512_reduce_add_ps(acc1[r]);
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* Block b of row n of W as float32, in four vectors of 8 weights (0-7, 8-15, 16-23, 24-31). */
+static inline void expand_avx2(const QMatmulArgs *a, int64_t n, int64_t b, __m256 w[4]) {
+    int64_t blocks = a->k / BLOCK;
+    __m256 d = _mm256_set1_ps(half_to_float(a->scales[n * blocks + b]));
+    if (a->kind == KIND_Q4) {
+        __m256 m = _mm256_set1_ps(half_to_float(a->mins[n * blocks + b]));
+        __m128i bytes = _mm_loadu_si128((const __m128i *)(a->qs + n * (a->k / 2) + b * 16));
+        __m128i nibble = _mm_set1_epi8(15);
+        __m128i low = _mm_and_si128(bytes, nibble);
+        __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+        __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+        for (int v = 0; v < 4; v++) {
+            __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[v]));
+            w[v] = _mm256_fmadd_ps(d, q, m);
+        }
+    } else {
+        const int8_t *q = (const int8_t *)a->qs + n * a->k + b * BLOCK;
+        for (int v = 0; v < 4; v++) {
+            __m128i bytes = _mm_loadl_epi64((const __m128i *)(q + 8 * v));
+            w[v] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+        }
+    }
+}
+
+static inline float sum_avx2(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* As the AVX-512 tile: rows n, n + 1 of W against up to ROWS_PER_TILE rows of x. */
+static void row_tile(const QMatmulArgs *a, int64_t n, int pair, int64_t i, int rows) {
+    int64_t blocks = a->k / BLOCK;
+    __m256 acc0[ROWS_PER_TILE], acc1[ROWS_PER_TILE];
+    for (int r = 0; r < ROWS_PER_TILE; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256 w0[4], w1[4];
+        expand_avx2(a, n, b, w0);
+        if (pair) expand_avx2(a, n + 1, b, w1);
+        for (int r = 0; r < rows; r++) {
+            const float *x = a->x + (i + r) * a->stride_x + b * BLOCK;
+            for (int v = 0; v < 4; v++) {
+                __m256 xv = _mm256_loadu_ps(x + 8 * v);
+                acc0[r] = _mm256_fmadd_ps(w0[v], xv, acc0[r]);
+                if (pair) acc1[r] = _mm256_fmadd_ps(w1[v], xv, acc1[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float *y = a->y + (i + r) * a->stride_y + n;
+        y[0] = sum_avx2(acc0[r]);
+        if (pair) y[1] = sum_avx2(acc1[r]);
+    }
+}
 #else
 static void row_tile_one(const QMatmulArgs *a, int64_t n, int64_t i, int rows) {
     int64_t blocks = a->k / BLOCK;
@@ -175,6 +240,10 @@ int gguf_dequantize(const QMatmulArgs *a, float *out) {
             expand_avx512(a, n, b, &lo, &hi);
             _mm512_storeu_ps(w, lo);
             _mm512_storeu_ps(w + 16, hi);
+#elif defined(__AVX2__) && defined(__FMA__)
+            __m256 parts[4];
+            expand_avx2(a, n, b, parts);
+            for (int v = 0; v < 4; v++) _mm256_storeu_ps(w + 8 * v, parts[v]);
 #else
             expand_block(a, n, b, w);
 #endif
