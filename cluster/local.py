@@ -15,7 +15,7 @@ from cluster.assembly import build_scheduler, start_serving
 from cluster.config import EngineConfig
 from cluster.scheduler.scheduler import Scheduler
 from cluster.startup import plan_kv_cache
-from cluster.transport import InProcessTransport
+from cluster.transport import InProcessTransport, step_thread
 from kvcore import KVCacheConfig
 from workers.bringup import bring_up_in_process
 from workers.worker import Worker
@@ -26,7 +26,9 @@ class LocalServer:
         if config.tensor_parallel_size != 1:
             raise ValueError("The in-process server runs TP=1; use kvray serve for more ranks.")
         self.config = config.for_workers_on(use_gpu=torch.cuda.is_available())
-        self.worker, self.kv_config = self._start_worker()
+        # The worker is built (weights loaded, memory profiled) on the thread it steps on.
+        self._step_thread = step_thread()
+        self.worker, self.kv_config = self._step_thread.submit(self._start_worker).result()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kvray-local", daemon=True)
@@ -50,16 +52,19 @@ class LocalServer:
     async def _rebuild(self) -> tuple[InProcessTransport, Scheduler]:
         """A fresh worker and cache after a failed step, as the Ray controller does."""
         self.worker.shutdown()
-        self.worker, self.kv_config = await asyncio.to_thread(self._start_worker)
+        loop = asyncio.get_running_loop()
+        self.worker, self.kv_config = await loop.run_in_executor(
+            self._step_thread, self._start_worker
+        )
         scheduler = build_scheduler(self.config, self.worker.model_config, self.kv_config)
-        return InProcessTransport(self.worker), scheduler
+        return InProcessTransport(self.worker, self._step_thread), scheduler
 
     async def _start(self) -> None:
         self.serving = await start_serving(
             self.config,
             self.worker.model_config,
             self.kv_config,
-            InProcessTransport(self.worker),
+            InProcessTransport(self.worker, self._step_thread),
             rebuild=self._rebuild,
         )
         self.engine, self.server, self.http = (
@@ -86,6 +91,7 @@ class LocalServer:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self.worker.shutdown()
+        self._step_thread.shutdown(wait=False)
 
     def __enter__(self) -> LocalServer:
         return self.start()

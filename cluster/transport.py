@@ -19,13 +19,23 @@ class StepTransport(Protocol):
     async def execute(self, plan: StepPlan) -> StepResult: ...
 
 
+def step_thread() -> ThreadPoolExecutor:
+    """The one thread an in-process worker is built and stepped on. One thread, because each
+    thread that runs torch ops gets its own OpenMP team: a second team's idle threads make
+    OpenMP see more threads than cores and wake every parallel region from sleep (SmolLM2's
+    forward took 77 ms instead of 19 with the weights loaded on one thread and stepped on
+    another)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvray-step")
+
+
 class InProcessTransport:
     """One in-process worker (TP=1), stepped in one thread so the event loop keeps serving
-    and steps sent back to back run in the order they were sent."""
+    and steps sent back to back run in the order they were sent: ``thread``, the one the
+    worker was built on (``step_thread``)."""
 
-    def __init__(self, worker):
+    def __init__(self, worker, thread: ThreadPoolExecutor | None = None):
         self.worker = worker
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvray-step")
+        self._thread = thread or step_thread()
 
     async def execute(self, plan: StepPlan) -> StepResult:
         loop = asyncio.get_running_loop()
