@@ -228,18 +228,21 @@ class ModelRunner:
         if logits is None:
             return {}, {}, [], {}
         num_rows = logits.shape[0]
+        # With drafts, one broadcast carries the tokens, then each row's acceptance as 0/1;
+        # every rank knows from the plan whether there are any.
+        message_len = 2 * num_rows if drafts else num_rows
         logprobs, refused = {}, []
         if get_tp_group().is_first_rank:
-            row_drafts = [t for r in request_ids for t in (*drafts.get(r, ()), None)]
+            row_drafts = None
+            if drafts:
+                row_drafts = [t for r in request_ids for t in (*drafts.get(r, ()), None)]
             sampled = self.sampler.sample_rows(logits, rows, masks, row_drafts)
-            accepted = sampled.accepted
-            if accepted is None:
-                accepted = torch.zeros(num_rows, dtype=torch.bool, device=self.device)
-            # One broadcast for both: tokens, then acceptance as 0/1.
-            message = torch.cat([sampled.tokens, accepted.to(torch.int64)])
+            message = sampled.tokens
+            if drafts:
+                message = torch.cat([message, sampled.accepted.to(torch.int64)])
             logprobs, refused = sampled.logprobs, sampled.refused
         else:
-            message = torch.empty(2 * num_rows, dtype=torch.int64, device=self.device)
+            message = torch.empty(message_len, dtype=torch.int64, device=self.device)
         message = broadcast_from_first(message).tolist()
         tokens, accepted = message[:num_rows], message[num_rows:]
         new_tokens, num_accepted = {}, {}
@@ -275,11 +278,11 @@ class ModelRunner:
 
 
 def _check_draftable(request_id: str, state: RunnerRequest, known_end: int) -> None:
-    """Drafts follow a request's last known token, and only where one sample per row is all
-    its output needs (no grammar to advance, no log-probabilities to report)."""
+    """Drafts follow a request's last known token, and only where its sampling allows them
+    (``SamplingParams.can_verify_drafts``)."""
     if known_end != len(state.token_ids):
         raise ValueError(f"Request {request_id}: drafts must follow its last known token")
-    if state.sampling.is_constrained or state.sampling.logprobs is not None:
+    if not state.sampling.can_verify_drafts:
         raise ValueError(
             f"Request {request_id}: drafts are not verified for constrained requests or "
             "requests asking for logprobs"

@@ -60,6 +60,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         return self.structured_outputs is not None
 
     @property
+    def can_verify_drafts(self) -> bool:
+        """Whether speculative drafts may be verified for a request with these parameters:
+        one sample per position is all its output needs (no grammar to advance, no
+        log-probabilities to report per draft)."""
+        return not self.is_constrained and self.logprobs is None
+
+    @property
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty) or (
             self.repetition_penalty != 1.0

@@ -61,12 +61,10 @@ def check_stop(
     token: int,
     eos_token_ids: tuple[int, ...],
     max_model_len: int,
-    num_tokens: int | None = None,
+    num_tokens: int,
 ) -> str | None:
-    """The finish reason after ``token`` was appended (its text already detokenized), as the
-    request's ``num_tokens``-th token (None: its last)."""
-    if num_tokens is None:
-        num_tokens = request.kv.num_tokens
+    """The finish reason after ``token``, the request's ``num_tokens``-th, was appended (its
+    text already detokenized)."""
     num_outputs = num_tokens - request.num_prompt_tokens
     params = request.sampling
     ends_at_eos = not params.ignore_eos or params.is_constrained

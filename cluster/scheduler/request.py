@@ -52,12 +52,6 @@ class EngineRequest:
     num_step_tokens: int = 0
 
     @property
-    def can_speculate(self) -> bool:
-        """Whether drafts may be verified for it: one sample per position is all its output
-        needs (no grammar to advance, no log-probabilities to report per draft)."""
-        return not self.sampling.is_constrained and self.sampling.logprobs is None
-
-    @property
     def num_prompt_tokens(self) -> int:
         return self.kv.num_prompt_tokens
 

@@ -199,7 +199,9 @@ class Scheduler:
         """Drafts for a decode whose tokens are all known: as many as the proposer finds,
         within the step's budget and so that accepting all of them (and the token after)
         passes neither ``max_tokens`` nor the model's length."""
-        if self.proposer is None or request.num_inflight_samples or not request.can_speculate:
+        if self.proposer is None or request.num_inflight_samples:
+            return []
+        if not request.sampling.can_verify_drafts:
             return []
         kv = request.kv
         room = min(
