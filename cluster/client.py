@@ -12,6 +12,7 @@ installs and runs anywhere Python and grpcio do.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
@@ -109,24 +110,43 @@ def build_request(
         raise TypeError(
             f"Unknown sampling keyword(s) {sorted(unknown)}; valid: {sorted(SAMPLING_KEYS)}"
         )
-    request = pb.GenerateRequest(request_id=request_id or "", cache_salt=cache_salt or "")
-    if isinstance(prompt, str):
-        request.text = prompt
-    elif prompt and isinstance(prompt[0], dict):  # a conversation: the chat template applies
-        for message in prompt:
-            request.conversation.messages.add(role=message["role"], content=message["content"])
-    else:
-        request.token_ids.ids.extend(int(t) for t in prompt)
+    # What protobuf cannot hold (text UTF-8 cannot encode, integers past 64 bits) is refused
+    # here, as the server would refuse it, naming the field.
+    with _refused_as("request_id or cache_salt"):
+        request = pb.GenerateRequest(request_id=request_id or "", cache_salt=cache_salt or "")
+    with _refused_as("prompt"):
+        if isinstance(prompt, str):
+            request.text = prompt
+        elif prompt and isinstance(prompt[0], dict):  # a conversation: the template applies
+            for message in prompt:
+                request.conversation.messages.add(role=message["role"], content=message["content"])
+        else:
+            request.token_ids.ids.extend(int(t) for t in prompt)
     for key, value in sampling.items():
         if value is None:
             continue
-        if key in ("stop", "stop_token_ids"):
-            getattr(request.sampling, key).extend([value] if isinstance(value, str) else value)
-        elif key == "structured_outputs":
-            set_structured_outputs(request.sampling.structured_outputs, value)
-        else:
-            setattr(request.sampling, key, value)
+        with _refused_as(key):
+            if key in ("stop", "stop_token_ids"):
+                getattr(request.sampling, key).extend([value] if isinstance(value, str) else value)
+            elif key == "structured_outputs":
+                set_structured_outputs(request.sampling.structured_outputs, value)
+            else:
+                setattr(request.sampling, key, value)
     return request
+
+
+@contextlib.contextmanager
+def _refused_as(field: str):
+    try:
+        yield
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{field} is not valid Unicode text ({exc.reason} at character {exc.start}); "
+            "send text UTF-8 can encode",
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ) from None
+    except ValueError as exc:  # protobuf: an integer out of its field's range
+        raise InvalidRequestError(f"{field}: {exc}", grpc.StatusCode.INVALID_ARGUMENT) from None
 
 
 def set_structured_outputs(message, constraint: dict) -> None:
