@@ -35,8 +35,9 @@ def plan_report(config: EngineConfig, model_config, layouts: list[str] | None = 
         tp,
         0,
         backend.customize_spec,
-        config.dtype or model_config.dtype,
+        config.cache_dtype(model_config.dtype),
         config.state_caching(),
+        model_dtype=config.model_dtype(model_config.dtype),
     )
     supported = [layout.name for layout in backend.supported_kv_cache_layouts()]
     chosen = resolve_kv_cache_layout(config.kv_cache_layout, [supported] * tp, specs.values())
@@ -60,10 +61,12 @@ def plan_report(config: EngineConfig, model_config, layouts: list[str] | None = 
     ]
     for index, group in enumerate(kv.kv_cache_groups):
         spec = group.kv_cache_spec
+        stored = getattr(spec, "dtype", None) or "/".join(getattr(spec, "dtypes", ()))
         lines.append(
             f"  [{index}] {type(spec).__name__}: {len(group.layer_names)} layers, block "
             f"{spec.block_size} tokens, page {spec.page_size_bytes} bytes "
-            f"(H={spec.num_heads} N={spec.num_states} C={spec.state_content_size_bytes})"
+            f"(H={spec.num_heads} N={spec.num_states} C={spec.state_content_size_bytes}, "
+            f"{stored})"
         )
     lines.extend(state_caching_lines(config, kv))
     lines.extend(latent_lines(model_config, specs, kv, tp, options))

@@ -29,10 +29,14 @@ def plan_kv_cache(
     reports: list[RankReport], model_config: ModelConfig, config: EngineConfig
 ) -> KVCacheConfig:
     backend = get_attention_backend(config.attention_backend)
-    kv_dtype = config.dtype or model_config.dtype
     tp_size = config.tensor_parallel_size
     global_specs = global_kv_cache_specs(
-        model_config, config.block_size, kv_dtype, tp_size, config.state_caching()
+        model_config,
+        config.block_size,
+        config.cache_dtype(model_config.dtype),
+        tp_size,
+        config.state_caching(),
+        model_dtype=config.model_dtype(model_config.dtype),
     )
     check_rank_reports(
         reports,

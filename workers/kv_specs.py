@@ -22,11 +22,16 @@ def global_kv_cache_specs(
     kv_cache_dtype: str | None = None,
     tp_size: int = 1,
     state_caching: StateCaching | None = None,
+    *,
+    model_dtype: str | None = None,
 ) -> dict[str, KVCacheSpec]:
     """One spec per stateful layer, in layer order, with the model's total KV heads (and, for
-    recurrent states, the geometry that shards into each rank's at ``tp_size``)."""
+    recurrent states, the geometry that shards into each rank's at ``tp_size``). Attention
+    caches are stored in ``kv_cache_dtype``, recurrent states in ``model_dtype`` (both the
+    checkpoint's when not given)."""
+    state_dtype = model_dtype or config.dtype
     context = SpecContext(
-        config, block_size, kv_cache_dtype or config.dtype, tp_size, state_caching
+        config, block_size, kv_cache_dtype or state_dtype, tp_size, state_caching, state_dtype
     )
     specs: dict[str, KVCacheSpec] = {}
     for index, layer_type in enumerate(config.layer_types):
@@ -55,11 +60,16 @@ def rank_kv_cache_specs(
     customize_spec: CustomizeSpec | None = None,
     kv_cache_dtype: str | None = None,
     state_caching: StateCaching | None = None,
+    *,
+    model_dtype: str | None = None,
 ) -> dict[str, KVCacheSpec]:
     """This rank's specs: the global ones sharded by kvcore, then passed through the attention
     backend's ``customize_spec`` hook (its production call site)."""
+    global_specs = global_kv_cache_specs(
+        config, block_size, kv_cache_dtype, tp_size, state_caching, model_dtype=model_dtype
+    )
     sharded = shard_layer_specs(
-        global_kv_cache_specs(config, block_size, kv_cache_dtype, tp_size, state_caching),
+        global_specs,
         tp_size,
         rank,
         state_head_axes=state_head_axes(config),

@@ -17,6 +17,8 @@ import msgspec
 from kvcore.dtypes import MODEL_DTYPES
 from workers.kinds import StateCaching
 
+KV_CACHE_DTYPES = ("auto", *MODEL_DTYPES)
+
 
 def setting(description: str, **cli) -> msgspec.Meta:
     """A setting's help text and its command-line spelling: ``flag`` (when not
@@ -53,9 +55,20 @@ class RankSettings(msgspec.Struct, frozen=True, kw_only=True):
     dtype: Annotated[
         str | None,
         setting(
-            "weights and KV cache dtype", choices=MODEL_DTYPES, default_text="the checkpoint's"
+            "the dtype the model runs in (weights, activations; the KV cache unless "
+            "--kv-cache-dtype says otherwise)",
+            choices=MODEL_DTYPES,
+            default_text="the checkpoint's",
         ),
     ] = None
+    kv_cache_dtype: Annotated[
+        str,
+        setting(
+            "attention KV cache storage: auto (the model's dtype), or float16/bfloat16 to "
+            "halve a float32 model's cache (attention still computes in float32 on CPUs)",
+            choices=KV_CACHE_DTYPES,
+        ),
+    ] = "auto"
     quantization: Annotated[
         str | None,
         setting(
@@ -115,11 +128,26 @@ class RankSettings(msgspec.Struct, frozen=True, kw_only=True):
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid engine settings: {', '.join(bad)} (got {self})")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not served (quantized KV caches "
+                f"such as fp8 are not built yet); choose one of {', '.join(KV_CACHE_DTYPES)}"
+            )
 
     @classmethod
     def default(cls, name: str):
         """A field's default (the one definition of it)."""
         return next(f.default for f in msgspec.structs.fields(cls) if f.name == name)
+
+    def model_dtype(self, checkpoint_dtype: str) -> str:
+        """The dtype the model runs in: --dtype, else the checkpoint's."""
+        return self.dtype or checkpoint_dtype
+
+    def cache_dtype(self, checkpoint_dtype: str) -> str:
+        """The dtype attention caches are stored in: --kv-cache-dtype, else the model's."""
+        if self.kv_cache_dtype == "auto":
+            return self.model_dtype(checkpoint_dtype)
+        return self.kv_cache_dtype
 
     def backend_on(self, use_gpu: bool) -> str:
         """The attention backend: the one asked for, else triton on GPUs and torch on CPUs."""

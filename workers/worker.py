@@ -78,7 +78,7 @@ class Worker:
         if self.memory is not None:
             self.memory.reset_peak()
             self._memory_before_load = self.memory.snapshot()
-        dtype = TORCH_DTYPES[self.options.dtype or self.model_config.dtype]
+        dtype = TORCH_DTYPES[self.options.model_dtype(self.model_config.dtype)]
         with torch.device(self.device):
             model = model_class_for(self.model_config)(self.model_config, dtype)
         gguf = gguf_path_for(self.options.model)
@@ -113,9 +113,6 @@ class Worker:
         ``report_specs`` tells), for the startup check that the ranks add up to the model."""
         return encode(shard_report(self.model))
 
-    def kv_cache_dtype(self) -> str:
-        return self.options.dtype or self.model_config.dtype
-
     def report_specs(self) -> bytes:
         """This rank's layer specs, the backend's layouts and its free cache memory."""
         tp = get_tp_group()
@@ -125,8 +122,9 @@ class Worker:
             tp.world_size,
             tp.rank,
             customize_spec=self.backend.customize_spec,
-            kv_cache_dtype=self.kv_cache_dtype(),
+            kv_cache_dtype=self.options.cache_dtype(self.model_config.dtype),
             state_caching=self.options.state_caching(),
+            model_dtype=self.options.model_dtype(self.model_config.dtype),
         )
         report = RankReport(
             rank=tp.rank,

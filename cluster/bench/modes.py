@@ -77,7 +77,7 @@ def throughput(config: EngineConfig, args) -> list[dict]:
         from cluster.bench.hf_baseline import hf_generate_throughput
 
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        dtype = TORCH_DTYPES[config.dtype or model_config_for(config.model).dtype]
+        dtype = TORCH_DTYPES[config.model_dtype(model_config_for(config.model).dtype)]
         baseline = hf_generate_throughput(
             config.model, requests, args.hf_batch_size, device=device, dtype=dtype
         )

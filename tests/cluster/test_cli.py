@@ -56,10 +56,18 @@ def test_plan_for_a_checkpoint_at_tp2(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "Qwen3ForCausalLM), TP 2" in result.stdout
-    assert "SlidingWindowSpec: 2 layers, block 4 tokens, page 512 bytes (H=1 N=4 C=128)" in (
+    assert "SlidingWindowSpec: 2 layers, block 4 tokens, page 512 bytes (H=1 N=4 C=128, " in (
         result.stdout
     )
     assert "fits: 2016 tokens, max concurrency 15.75x at 128 tokens" in result.stdout
+    half = run("plan", "--model", str(model_dir), "-tp", "2", "--kv-cache-memory", "1MiB",
+               "--max-model-len", "128", "--block-size", "4", "--kv-cache-dtype", "float16")  # fmt: skip
+    assert half.returncode == 0, half.stderr
+    assert "page 256 bytes (H=1 N=4 C=64, float16)" in half.stdout
+    assert "blocks: 2048 x 512 bytes" in half.stdout  # float32's 1024, twice over
+    assert "fits: 4032 tokens" in half.stdout
+    refused = run("plan", "--kv-cache-dtype", "fp8")
+    assert refused.returncode != 0 and "invalid choice: 'fp8'" in refused.stderr
 
 
 def test_generate_on_a_local_ray_prints_json_with_token_ids():

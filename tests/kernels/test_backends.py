@@ -18,8 +18,16 @@ from kernels import (
     attention_backend_names,
     get_attention_backend,
 )
+from kernels.attention.reference import dense_attention_float64, gather_request_kv
 from kernels.attention.torch_backend import TorchAttentionBackend
-from tests.kernels.cases import BATCHES, DEVICE, blocks_needed, make_cache, randn
+from tests.kernels.cases import (
+    BATCHES,
+    DEVICE,
+    blocks_needed,
+    make_cache,
+    randn,
+    relative_error,
+)
 
 SPEC = kvcore.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype="float32")
 
@@ -142,3 +150,48 @@ def test_triton_backend_builds_anywhere_and_refuses_cpu_tensors_at_launch():
     assert "cannot run on cpu tensors: it needs a CUDA GPU, or TRITON_INTERPRET=1" in (
         result.stdout
     )
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+def test_float32_queries_over_a_half_precision_cache(backend_name, cache_dtype):
+    """--kv-cache-dtype float16/bfloat16 under a float32 model: K/V are rounded once, on the
+    way into the cache, and attention over what the cache holds computes in float32 (on CPUs)
+    for float32 rows. A mixed step: a chunked prefill between two decodes (SDPA and the C
+    kernel on torch)."""
+    backend = get_attention_backend(backend_name)
+    dtype_name = str(cache_dtype).removeprefix("torch.")
+    spec = kvcore.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=dtype_name)
+    requests = BATCHES["mixed"]
+    cache = make_cache("BLHNC", spec, blocks_needed(requests, 16))
+    generator = torch.Generator().manual_seed(5)
+    tables, next_block = [], 0
+    for request in requests:
+        num = -(-request.seq_len // 16)
+        tables.append(list(range(next_block, next_block + num)))
+        next_block += num
+    seq_lens = [r.seq_len for r in requests]
+    whole = backend.build_metadata(seq_lens, seq_lens, tables, 16, DEVICE)
+    key, value = (randn((sum(seq_lens), 2, 16), torch.float32, generator) for _ in range(2))
+    backend.write_kv(key, value, cache.view, whole)
+    step = backend.build_metadata([r.query_len for r in requests], seq_lens, tables, 16, DEVICE)
+    query = randn((step.num_actual_tokens, 4, 16), torch.float32, generator)
+    params = AttentionParams(scale=0.25, num_kv_heads=2)
+    out = backend.attend(query, cache.view, step, params)
+    assert out.dtype == torch.float32
+    # Rounding to nearest, as torch does; the Triton interpreter truncates to bfloat16 (GPUs
+    # round), so there the bound is one bfloat16 step.
+    truncates = backend_name == "triton" and DEVICE.type == "cpu" and dtype_name == "bfloat16"
+    step_size = torch.finfo(cache_dtype).eps * (1 if truncates else 0.5)
+    starts, bounds = step.query_start_loc_cpu, whole.query_start_loc_cpu
+    for i, seq_len in enumerate(seq_lens):
+        cells = gather_request_kv(cache.view, torch.tensor(tables[i]), seq_len, 16, 2)
+        held_key, held_value = cells[..., :16], cells[..., 16:32]
+        assert held_key.dtype == cache_dtype
+        stored = slice(bounds[i], bounds[i + 1])
+        for held, written in ((held_key, key[stored]), (held_value, value[stored])):
+            assert ((held.float() - written).abs() <= step_size * written.abs()).all()
+            assert not torch.equal(held.float(), written)  # rounded, not kept in float32
+        rows = slice(starts[i], starts[i + 1])
+        expected = dense_attention_float64(query[rows], held_key, held_value, params)
+        assert relative_error(out[rows], expected) < 1e-5

@@ -72,9 +72,19 @@ def reference(smollm2_file, hf_tokenizer):
     return cases
 
 
-def test_smollm2_greedy_tokens_equal_transformers(reference, hf_tokenizer):
-    config = EngineConfig(model=SMOLLM2, kv_cache_memory_bytes=32 << 20, port=0, max_model_len=256)
+# float16: the KV cache half the size (llama.cpp's default cache type), same tokens.
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
+def test_smollm2_greedy_tokens_equal_transformers(reference, hf_tokenizer, kv_cache_dtype):
+    config = EngineConfig(
+        model=SMOLLM2,
+        kv_cache_memory_bytes=32 << 20,
+        port=0,
+        max_model_len=256,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     with LocalServer(config) as server, Client(server.address) as client:
+        caches = {layer.kv_cache.dtype for layer in server.worker.model.kv_cache_layers().values()}
+        assert caches == {torch.float16 if kv_cache_dtype == "float16" else torch.float32}
         for prompt, expected in reference:
             completion = client.generate(prompt, max_tokens=NUM_NEW_TOKENS, temperature=0.0)
             assert completion.token_ids == expected

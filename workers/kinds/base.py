@@ -35,9 +35,12 @@ class SpecContext:
 
     config: ModelConfig
     block_size: int
-    dtype: str
+    dtype: str  # attention caches' (--kv-cache-dtype)
     tp_size: int
     state_caching: StateCaching | None
+    # Recurrent states' (Mamba's conv state): the dtype the model runs in, which its layers
+    # read and write them in, whatever the attention caches are stored as.
+    state_dtype: str
 
 
 def _load(path: str):

@@ -37,7 +37,7 @@ def _mamba_spec(context: SpecContext, index: int) -> KVCacheSpec:
     mamba, caching = context.config.mamba, context.state_caching
     fields = dict(
         shapes=mamba_state_shapes(mamba, context.tp_size),
-        dtypes=(context.dtype, mamba.ssm_cache_dtype),
+        dtypes=(context.state_dtype, mamba.ssm_cache_dtype),
     )
     if caching is None:
         return MambaSpec(block_size=context.block_size, mamba_cache_mode="none", **fields)
