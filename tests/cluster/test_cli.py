@@ -60,8 +60,8 @@ def test_plan_for_a_checkpoint_at_tp2(tmp_path):
         result.stdout
     )
     assert "fits: 2016 tokens, max concurrency 15.75x at 128 tokens" in result.stdout
-    half = run("plan", "--model", str(model_dir), "-tp", "2", "--kv-cache-memory", "1MiB",
-               "--max-model-len", "128", "--block-size", "4", "--kv-cache-dtype", "float16")  # fmt: skip
+    sizes = ["--kv-cache-memory", "1MiB", "--max-model-len", "128", "--block-size", "4"]
+    half = run("plan", "--model", str(model_dir), "-tp", "2", *sizes, "--kv-cache-dtype", "float16")
     assert half.returncode == 0, half.stderr
     assert "page 256 bytes (H=1 N=4 C=64, float16)" in half.stdout
     assert "blocks: 2048 x 512 bytes" in half.stdout  # float32's 1024, twice over
