@@ -17,7 +17,6 @@ from cluster.server_info import server_info, static_info
 from cluster.speculative.ngram import NgramProposer
 from kvcore import KVCacheConfig
 from kvcore.coordinator import KVCacheCoordinator
-from kvcore.mamba_spec import MambaSpec
 from workers.model_config import ModelConfig
 from workers.model_source import load_tokenizer_for, model_display_name
 
@@ -39,25 +38,15 @@ def build_scheduler(
             max_model_len=kv_config.max_model_len,
             eos_token_ids=model_config.eos_token_ids,
         ),
-        proposer=speculative_proposer(config, kv_config),
+        proposer=speculative_proposer(config),
     )
 
 
-def speculative_proposer(config: EngineConfig, kv_config: KVCacheConfig) -> NgramProposer | None:
-    """The drafts --speculative-config asks for. Refused where a rejected draft could not be
-    undone: a Mamba layer's state has already taken the draft in."""
+def speculative_proposer(config: EngineConfig) -> NgramProposer | None:
+    """The drafts --speculative-config asks for (None: off). A hybrid's Mamba layers undo a
+    rejected draft from the draft states their specs keep (``workers.kinds.mamba``)."""
     speculative = config.speculative
-    if speculative is None:
-        return None
-    for group in kv_config.kv_cache_groups:
-        if isinstance(group.kv_cache_spec, MambaSpec):
-            raise ValueError(
-                "--speculative-config: this model has Mamba layers "
-                f"({group.layer_names[0]}, ...), whose state cannot yet be rolled back past "
-                "a rejected draft; speculative decoding serves attention-only models (dense, "
-                "MLA, sliding-window)"
-            )
-    return NgramProposer(speculative)
+    return None if speculative is None else NgramProposer(speculative)
 
 
 def build_engine(

@@ -10,7 +10,6 @@ from typing import Annotated
 import msgspec
 
 from cluster.serve.routing import POLICIES
-from cluster.speculative.config import SpeculativeConfig, parse_speculative_config
 from workers.options import RankSettings, WorkerOptions, setting
 
 # The --tool-call-parser names (cluster.tools.parsers holds them; the config loads nothing).
@@ -36,15 +35,6 @@ class EngineConfig(RankSettings, frozen=True, kw_only=True):
     ] = None
     num_gpu_blocks_override: Annotated[
         int | None, setting("use exactly this many KV blocks (testing)", default_text="none")
-    ] = None
-    speculative_config: Annotated[
-        str | None,
-        setting(
-            'speculative decoding, as vLLM\'s JSON: {"method": "ngram", '
-            '"num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M} '
-            "drafts K tokens from the request's own earlier text",
-            default_text="off",
-        ),
     ] = None
     max_queue_len: Annotated[
         int, setting("waiting requests before new ones are refused (RESOURCE_EXHAUSTED)")
@@ -192,8 +182,6 @@ class EngineConfig(RankSettings, frozen=True, kw_only=True):
             "target_ongoing_requests": self.target_ongoing_requests >= 1,
             "tool_call_parser": self.tool_call_parser in (None, *TOOL_CALL_PARSERS),
         }
-        if self.speculative_config is not None:
-            parse_speculative_config(self.speculative_config)  # says what is wrong
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError(
                 "--enable-auto-tool-choice needs --tool-call-parser "
@@ -202,13 +190,6 @@ class EngineConfig(RankSettings, frozen=True, kw_only=True):
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid engine settings: {', '.join(bad)} (got {self})")
-
-    @property
-    def speculative(self) -> SpeculativeConfig | None:
-        """--speculative-config, parsed (None: off)."""
-        if self.speculative_config is None:
-            return None
-        return parse_speculative_config(self.speculative_config)
 
     @property
     def uses_replicas(self) -> bool:

@@ -38,6 +38,7 @@ def plan_report(config: EngineConfig, model_config, layouts: list[str] | None = 
         config.cache_dtype(model_config.dtype),
         config.state_caching(),
         model_dtype=config.model_dtype(model_config.dtype),
+        num_speculative_tokens=config.num_speculative_tokens,
     )
     supported = [layout.name for layout in backend.supported_kv_cache_layouts()]
     chosen = resolve_kv_cache_layout(config.kv_cache_layout, [supported] * tp, specs.values())
@@ -96,6 +97,12 @@ def state_caching_lines(config: EngineConfig, kv) -> list[str]:
     if not mamba_groups:
         return []
     caching = config.state_caching()
+    if caching is None and config.num_speculative_tokens:
+        drafts = config.num_speculative_tokens
+        return [
+            f"mamba states: one per request and {drafts} draft states (--speculative-config), "
+            "no prefix-cache hits while speculating"
+        ]
     if caching is None:
         return ["mamba states: one per request, no prefix-cache hits (prefix caching is off)"]
     # Each group's state block is a whole pool block, whatever its page.

@@ -37,6 +37,7 @@ def plan_kv_cache(
         tp_size,
         config.state_caching(),
         model_dtype=config.model_dtype(model_config.dtype),
+        num_speculative_tokens=config.num_speculative_tokens,
     )
     check_rank_reports(
         reports,

@@ -7,7 +7,7 @@ runner, the forward context and the profile know only these types, never a kind.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +38,8 @@ class StepBatch:
     num_prompt_tokens: list[int]  # each one's prompt length
     token_ids: list[int]
     positions: list[int]
+    # Drafts among each one's tokens (its last ones; speculative decoding), empty: none.
+    num_drafts: list[int] = field(default_factory=list)
 
     @property
     def num_computed(self) -> list[int]:
@@ -77,3 +79,8 @@ class GroupStepBuilder(ABC):
 
     def before_forward(self) -> None:  # noqa: B027 (most kinds have nothing to do)
         """Work the step needs done before the model runs (in its forward context)."""
+
+    def after_sampling(self, num_accepted: dict[str, int]) -> None:  # noqa: B027
+        """Work once the step's drafts are verified: ``num_accepted`` holds, for each request
+        that carried drafts, how many were kept (a kind whose state took every draft in
+        undoes the rest here; the scheduler rolls back the computed-token count)."""

@@ -24,14 +24,22 @@ def global_kv_cache_specs(
     state_caching: StateCaching | None = None,
     *,
     model_dtype: str | None = None,
+    num_speculative_tokens: int = 0,
 ) -> dict[str, KVCacheSpec]:
     """One spec per stateful layer, in layer order, with the model's total KV heads (and, for
     recurrent states, the geometry that shards into each rank's at ``tp_size``). Attention
     caches are stored in ``kv_cache_dtype``, recurrent states in ``model_dtype`` (both the
-    checkpoint's when not given)."""
+    checkpoint's when not given). With ``num_speculative_tokens`` drafts per step, a
+    recurrent layer also keeps the state after each draft."""
     state_dtype = model_dtype or config.dtype
     context = SpecContext(
-        config, block_size, kv_cache_dtype or state_dtype, tp_size, state_caching, state_dtype
+        config,
+        block_size,
+        kv_cache_dtype or state_dtype,
+        tp_size,
+        state_caching,
+        state_dtype,
+        num_speculative_tokens,
     )
     specs: dict[str, KVCacheSpec] = {}
     for index, layer_type in enumerate(config.layer_types):
@@ -62,11 +70,18 @@ def rank_kv_cache_specs(
     state_caching: StateCaching | None = None,
     *,
     model_dtype: str | None = None,
+    num_speculative_tokens: int = 0,
 ) -> dict[str, KVCacheSpec]:
     """This rank's specs: the global ones sharded by kvcore, then passed through the attention
     backend's ``customize_spec`` hook (its production call site)."""
     global_specs = global_kv_cache_specs(
-        config, block_size, kv_cache_dtype, tp_size, state_caching, model_dtype=model_dtype
+        config,
+        block_size,
+        kv_cache_dtype,
+        tp_size,
+        state_caching,
+        model_dtype=model_dtype,
+        num_speculative_tokens=num_speculative_tokens,
     )
     sharded = shard_layer_specs(
         global_specs,

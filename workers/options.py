@@ -16,6 +16,7 @@ import msgspec
 
 from kvcore.dtypes import MODEL_DTYPES
 from workers.kinds import StateCaching
+from workers.speculative_config import SpeculativeConfig, parse_speculative_config
 
 KV_CACHE_DTYPES = ("auto", *MODEL_DTYPES)
 
@@ -104,6 +105,15 @@ class RankSettings(msgspec.Struct, frozen=True, kw_only=True):
             "of a slice of every expert"
         ),
     ] = False
+    speculative_config: Annotated[
+        str | None,
+        setting(
+            'speculative decoding, as vLLM\'s JSON: {"method": "ngram", '
+            '"num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M} '
+            "drafts K tokens from the request's own earlier text",
+            default_text="off",
+        ),
+    ] = None
     # Hybrids keep a Mamba state for the prefix cache every this many tokens: small enough
     # that short shared prefixes (a system prompt) hit; each kept state costs one state page
     # per layer.
@@ -128,6 +138,8 @@ class RankSettings(msgspec.Struct, frozen=True, kw_only=True):
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid engine settings: {', '.join(bad)} (got {self})")
+        if self.speculative_config is not None:
+            parse_speculative_config(self.speculative_config)  # says what is wrong
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype {self.kv_cache_dtype!r} is not served (quantized KV caches "
@@ -157,9 +169,25 @@ class RankSettings(msgspec.Struct, frozen=True, kw_only=True):
         """How the TP group splits the model beyond its heads (``workers.parallel``)."""
         return {"expert_parallel": self.enable_expert_parallel}
 
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """--speculative-config, parsed (None: off)."""
+        if self.speculative_config is None:
+            return None
+        return parse_speculative_config(self.speculative_config)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Drafts a request may carry into one step (0: no speculative decoding)."""
+        speculative = self.speculative
+        return 0 if speculative is None else speculative.num_speculative_tokens
+
     def state_caching(self) -> StateCaching | None:
-        """How Mamba layers keep states for the prefix cache (None: caching is off)."""
-        if not self.enable_prefix_caching:
+        """How Mamba layers keep states for the prefix cache (None: caching is off). Off while
+        speculating too: a rejected draft is undone by the request's draft states
+        (``num_speculative_tokens`` blocks beside its state), which kvcore keeps only for
+        requests holding one state for life."""
+        if not self.enable_prefix_caching or self.num_speculative_tokens:
             return None
         return StateCaching(self.mamba_state_interval, self.max_num_batched_tokens)
 

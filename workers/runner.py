@@ -57,9 +57,15 @@ class ModelRunner:
         self.requests: dict[str, RunnerRequest] = {}
         grammars = None if grammar_vocabulary is None else GrammarMatchers(grammar_vocabulary)
         self.sampler = Sampler(self.device, model.config.eos_token_ids, grammars)
-        # One table per KV-cache group, rows updated by each step's deltas.
+        # One table per KV-cache group, rows updated by each step's deltas: wide enough for a
+        # block per position, or whatever more a request holds (a state and its drafts').
         self.block_tables = [
-            BlockTable(cdiv(config.max_model_len, group.kv_cache_spec.block_size))
+            BlockTable(
+                max(
+                    cdiv(config.max_model_len, group.kv_cache_spec.block_size),
+                    group.kv_cache_spec.max_num_blocks_per_req(config.max_model_len),
+                )
+            )
             for group in config.kv_cache_groups
         ]
         self.group_steps = self._group_step_builders(limits or StepLimits())
@@ -102,6 +108,9 @@ class ModelRunner:
         sampled, logprobs, refused, accepted = self._sample(
             request_ids, drafts, rows, masks, logits
         )
+        if drafts:
+            for builder in self.group_steps:
+                builder.after_sampling(accepted)
         return StepResult(
             sampled=sampled,
             logprobs=logprobs,
@@ -134,7 +143,7 @@ class ModelRunner:
                 table.append(delta.request_id, added)
 
     def _schedule(self, plan: StepPlan, drafts: dict[str, list[int]]) -> StepBatch:
-        batch = StepBatch([], [], [], [], [], [])
+        batch = StepBatch([], [], [], [], [], [], [])
         entries: list[NewRequest | RequestDelta] = [*plan.new_requests, *plan.deltas]
         for entry in entries:
             if entry.num_new_tokens <= 0:
@@ -157,6 +166,7 @@ class ModelRunner:
             batch.token_ids.extend(state.token_ids[start:known_end])
             batch.token_ids.extend(draft)
             batch.positions.extend(range(start, end))
+            batch.num_drafts.append(len(draft))
         return batch
 
     def _sampled_rows(

@@ -125,6 +125,7 @@ class Worker:
             kv_cache_dtype=self.options.cache_dtype(self.model_config.dtype),
             state_caching=self.options.state_caching(),
             model_dtype=self.options.model_dtype(self.model_config.dtype),
+            num_speculative_tokens=self.options.num_speculative_tokens,
         )
         report = RankReport(
             rank=tp.rank,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cluster.speculative.config import SpeculativeConfig
+from workers.speculative_config import SpeculativeConfig
 
 
 class NgramProposer:

@@ -1,7 +1,7 @@
 """A Mamba-2 hybrid (NemotronH checkpoint directory) through the ``kvray`` command: the plan
-shows its state groups and what keeping states costs; ``generate`` prints transformers' tokens
-as JSON (in process; ``serve`` covers Ray); ``serve`` at TP 2 answers the client with them and
-hits its prefix cache."""
+shows its state groups and what keeping states costs, with and without speculation;
+``generate`` prints transformers' tokens as JSON (in process; ``serve`` covers Ray); ``serve``
+at TP 2 answers the client with them and hits its prefix cache."""
 
 from __future__ import annotations
 
@@ -34,6 +34,14 @@ def test_plan_shows_the_state_groups_and_their_interval(model_dir):
     assert out.count("MambaSpec: 1 layers, block 128 tokens") == 2  # one group per layer
     assert "mamba states: one kept every 128 tokens for prefix caching" in out
     assert "BHLNC: cannot express this model" in out
+    # Speculating, each request holds a state and a draft state per draft, and no more
+    # states for the prefix cache: the same memory fits more tokens.
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    result = run("plan", "--model", str(model_dir), "--kv-cache-memory", "8MiB",
+                 "--speculative-config", spec)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "mamba states: one per request and 3 draft states" in result.stdout
+    assert "MambaSpec: 1 layers, block 16 tokens" in result.stdout
 
 
 def test_generate_prints_transformers_tokens_as_json(model_dir, expected):

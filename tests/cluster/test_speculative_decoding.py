@@ -1,8 +1,10 @@
 """N-gram speculative decoding through the real engine (scheduler, coordinator, worker, gRPC):
-greedy tokens equal transformers' for a dense Llama and an MLA DeepSeek with drafts both
-accepted and rejected, under chunked prefill, preemption and prefix hits (a hit on blocks a
-rejected draft once wrote must hold the verified K/V); stops inside accepted drafts end where
-plain decoding ends; TP 2 on Ray agrees; Mamba models are refused by name."""
+greedy tokens equal transformers' for a dense Llama, an MLA DeepSeek and a NemotronH hybrid
+(whose Mamba states roll back past rejected drafts) with drafts both accepted and rejected,
+under chunked prefill, preemption and prefix hits (a hit on blocks a rejected draft once wrote
+must hold the verified K/V; a hybrid keeps no states for the prefix cache while speculating);
+stops inside accepted drafts end where plain decoding ends; TP 2 on Ray agrees, for the
+hybrid too."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from tests.cluster.servers import RayServer
 from tests.workers.hf_models import (
     COMMON,
     PROMPTS,
+    VOCAB,
     reference_generations,
     save_deepseek,
     save_nemotron_h,
@@ -34,6 +37,7 @@ NUM_TOKENS = 40
 # Weights this size make greedy outputs partly loop and partly wander: some drafts are
 # accepted and some rejected, which is what these tests need (at 0.5 none are accepted).
 INIT_RANGE = 0.1
+HYBRID_LAYERS, HYBRID_INIT = "M-*M-", 0.1
 
 
 def save_llama(directory):
@@ -50,6 +54,10 @@ def saved(family: str, directory):
     20 of its outputs) with transformers' outputs for them."""
     if family == "llama":
         save_llama(directory)
+    elif family == "nemotron_h":
+        # Two Mamba layers around the attention one: a state that kept a rejected draft
+        # changes every later token.
+        save_nemotron_h(directory, HYBRID_LAYERS, n_groups=2, initializer_range=HYBRID_INIT)
     else:
         save_deepseek(directory, q_lora_rank=24, initializer_range=INIT_RANGE)
     expected = reference_generations(directory, REPEATING, NUM_TOKENS)
@@ -67,7 +75,12 @@ def deepseek(tmp_path_factory):
     return saved("deepseek", tmp_path_factory.mktemp("deepseek"))
 
 
-@pytest.fixture(params=["llama", "deepseek"])
+@pytest.fixture(scope="module")
+def nemotron_h(tmp_path_factory):
+    return saved("nemotron_h", tmp_path_factory.mktemp("nemotron_h"))
+
+
+@pytest.fixture(params=["llama", "deepseek", "nemotron_h"])
 def model(request):
     return request.getfixturevalue(request.param)
 
@@ -114,7 +127,7 @@ def generate_all(address: str, prompts, max_tokens: int) -> list[list[int]]:
 
 def test_greedy_tokens_equal_transformers_with_drafts_accepted_and_rejected(model):
     family, directory, expected, follow_ups, follow_up_expected = model
-    layout = "LHBNC" if family == "llama" else "BLHNC"
+    layout = {"llama": "LHBNC", "deepseek": "BLHNC", "nemotron_h": "BLNHC"}[family]
     # A budget of 24 tokens chunks every prompt off block boundaries and caps drafts too.
     config = engine_config(directory, kv_cache_layout=layout, max_num_batched_tokens=24)
     with LocalServer(config) as server, Client(server.address) as client:
@@ -125,23 +138,34 @@ def test_greedy_tokens_equal_transformers_with_drafts_accepted_and_rejected(mode
         # verified tokens did: only verified K/V may have been cached.
         for prompt, want in zip(follow_ups, follow_up_expected, strict=True):
             done = client.generate(prompt, max_tokens=12, temperature=0)
-            assert done.usage.cached_prompt_tokens > 0
+            # A hybrid's prefix needs its Mamba state too, which it does not cache while
+            # speculating.
+            assert (done.usage.cached_prompt_tokens > 0) == (family != "nemotron_h")
             assert done.token_ids == want
 
 
 def test_preemption_with_drafts_in_play_keeps_the_tokens(model):
-    _, directory, expected, _, _ = model
+    family, directory, expected, _, _ = model
     # 40 blocks of 4 tokens hold one request of the longest (128), not all three at once
-    # (100 + 46 + 78 tokens).
-    config = engine_config(directory, num_gpu_blocks_override=40, max_model_len=128)
+    # (100 + 46 + 78 tokens); a hybrid's request also holds 8 state blocks (a state and 3
+    # draft states per Mamba layer).
+    blocks = 44 if family == "nemotron_h" else 40
+    config = engine_config(directory, num_gpu_blocks_override=blocks, max_model_len=128)
     with LocalServer(config) as server, Client(server.address) as client:
         assert generate_all(server.address, REPEATING, NUM_TOKENS) == expected
         assert server.engine.scheduler.num_preemptions > 0
         assert speculation_counts(client)[2] > 0
 
 
-def test_stops_and_lengths_end_where_plain_decoding_ends(model):
-    _, directory, expected, _, _ = model
+@pytest.fixture(params=["llama", "deepseek"])
+def attention_model(request):
+    """The models whose greedy outputs here repeat enough that drafts are accepted on single
+    requests (the hybrid's wander: stops would never fall inside accepted drafts)."""
+    return request.getfixturevalue(request.param)
+
+
+def test_stops_and_lengths_end_where_plain_decoding_ends(attention_model):
+    _, directory, expected, _, _ = attention_model
     with LocalServer(engine_config(directory)) as server, Client(server.address) as client:
         for prompt, want in zip(REPEATING, expected, strict=True):
             for max_tokens in (5, 13):
@@ -170,8 +194,9 @@ def test_stops_and_lengths_end_where_plain_decoding_ends(model):
         assert "kvray:spec_decode_num_accepted_tokens_per_pos_total{model_name=" in metrics
 
 
-def test_tensor_parallel_ranks_agree_on_what_was_accepted(llama):
-    _, directory, expected, _, _ = llama
+@pytest.mark.parametrize("family", ["llama", "nemotron_h"])
+def test_tensor_parallel_ranks_agree_on_what_was_accepted(family, request):
+    _, directory, expected, _, _ = request.getfixturevalue(family)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         server = RayServer(engine_config(directory, tensor_parallel_size=2, cpus_per_worker=1))
@@ -185,13 +210,42 @@ def test_tensor_parallel_ranks_agree_on_what_was_accepted(llama):
         ray.shutdown()
 
 
-def test_models_with_mamba_layers_are_refused(tmp_path):
-    from cluster.assembly import speculative_proposer
+class OracleProposer:
+    """Drafts that are a request's true greedy continuation with the draft at one depth
+    wrong, the depth cycling through every one (and none): each step keeps a known number."""
 
-    directory = save_nemotron_h(tmp_path, "M*-", n_groups=1)
-    server = LocalServer(engine_config(directory, speculative_config=None))
-    try:
-        with pytest.raises(ValueError, match=r"Mamba layers .* cannot yet be rolled back"):
-            speculative_proposer(engine_config(directory), server.kv_config)
-    finally:
-        server.worker.shutdown()
+    def __init__(self, sequences: list[list[int]], num_drafts: int):
+        self.sequences = sequences
+        self.num_drafts = num_drafts
+        self.planned: list[tuple[int, int]] = []  # (drafts, how many of them are right)
+
+    def propose(self, token_ids, max_drafts: int) -> list[int]:
+        known = list(token_ids)
+        sequence = next((s for s in self.sequences if s[: len(known)] == known), None)
+        if sequence is None:  # the request went astray: its tokens will say so
+            return []
+        drafts = sequence[len(known) : len(known) + min(max_drafts, self.num_drafts)]
+        if not drafts:
+            return []
+        wrong_at = len(self.planned) % (len(drafts) + 1)  # len(drafts): all right
+        if wrong_at < len(drafts):
+            drafts[wrong_at] = (drafts[wrong_at] + 1) % VOCAB
+        self.planned.append((len(drafts), wrong_at))
+        return drafts
+
+
+def test_hybrid_states_roll_back_to_every_draft_depth(nemotron_h):
+    """A Mamba state that took k drafts in must become the state after the ones kept, for
+    every count kept from none to all: drafts from an oracle, wrong at a known depth."""
+    _, directory, expected, _, _ = nemotron_h
+    sequences = [p + out for p, out in zip(REPEATING, expected, strict=True)]
+    with LocalServer(engine_config(directory)) as server, Client(server.address) as client:
+        oracle = OracleProposer(sequences, num_drafts=3)
+        server.engine.scheduler.proposer = oracle
+        for prompt, want in zip(REPEATING, expected, strict=True):
+            assert client.generate(prompt, max_tokens=NUM_TOKENS, temperature=0).token_ids == want
+        drafts, draft_tokens, accepted = speculation_counts(client)
+        assert drafts == len(oracle.planned)
+        assert draft_tokens == sum(n for n, _ in oracle.planned)
+        assert accepted == sum(right for _, right in oracle.planned)
+        assert {right for n, right in oracle.planned if n == 3} == {0, 1, 2, 3}

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 from cluster.config import EngineConfig
-from cluster.speculative.config import parse_speculative_config
 from cluster.speculative.ngram import NgramProposer
 from tests.cluster.test_scheduler import EOS, answer, make_scheduler, request
 from workers.protocol import StepResult
+from workers.speculative_config import parse_speculative_config
 from workers.structured_outputs import StructuredOutputs
 
 

@@ -6,8 +6,9 @@ enough): a fresh process without the interpreter calls the real launchers with e
 replaced by a recorder, then compiles every recorded launch through triton's own launch path
 with a stand-in driver. A variant is one launcher call; it records one launch per kernel
 (five for the SSD prefill, two or three for the conv prefill), each compiled on its own.
-Shapes are NemotronH's (conv width 4, head dim 64, state 128, chunk 128; 8 heads and 2 groups,
-one rank's share under TP), in the model's dtypes (bf16 activations, fp32 or bf16 states).
+Shapes are NemotronH's (conv width 4, head dim 64, state 128, chunk 128, and 1 as drafts are
+verified in; 8 heads and 2 groups, one rank's share under TP), in the model's dtypes (bf16
+activations, fp32 or bf16 states).
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ VARIANTS = {
     "ssd_prefill fp32 state bf16": ["_chunk_cumsum_kernel", "_chunk_state_kernel",
                                     "_chunk_cb_kernel", "_state_passing_kernel",
                                     "_chunk_scan_kernel"],
+    # A request verifying drafts scans one token a chunk (``workers.kinds.mamba_metadata``).
+    "ssd_prefill bf16 state fp32 chunk 1": ["_chunk_cumsum_kernel", "_chunk_state_kernel",
+                                            "_chunk_cb_kernel", "_state_passing_kernel",
+                                            "_chunk_scan_kernel"],
     "ssd_decode bf16 state fp32": ["_state_update_kernel"],
     "ssd_decode bf16 state bf16": ["_state_update_kernel"],
 }  # fmt: skip
@@ -84,7 +89,8 @@ def _launcher_call(variant: str):
     words = variant.split()
     act_dtype = dtypes[words[1]]
     state_dtype = dtypes[words[3]] if len(words) > 3 else act_dtype
-    heads, head_dim, groups, state_size, width, chunk = 8, 64, 2, 128, 4, 128
+    heads, head_dim, groups, state_size, width = 8, 64, 2, 128, 4
+    chunk = int(words[-1]) if "chunk" in words else 128
     dim = heads * head_dim + 2 * groups * state_size
     slots = torch.tensor([3, 1], dtype=torch.int32)
     has_initial = torch.tensor([True, False])

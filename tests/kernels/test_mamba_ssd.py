@@ -173,6 +173,15 @@ def test_prefill_bf16_inputs(backend, state_dtype):
     run_prefill(backend, batch, chunk_size=4)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_in_chunks_of_one_token_checkpoints_after_every_token(backend):
+    """How a request verifying drafts is scanned: each token its own chunk, so the state
+    after any of them can be kept (a rejected draft's successor state)."""
+    batch = make_batch([4, 2, 5], [True, True, False], [9, 30, 0], chunk_size=1, seed=13)
+    assert sorted(map(tuple, batch.checkpoints[:, :2].tolist()))[:3] == [(0, 1), (0, 2), (0, 3)]
+    run_prefill(backend, batch, chunk_size=1)
+
+
 def test_prefill_refuses_checkpoints_off_chunk_ends():
     batch = make_batch([9], [False], [0], chunk_size=4)
     batch.checkpoints = torch.tensor([[0, 5, 20]], dtype=torch.int32, device=DEVICE)

@@ -172,7 +172,7 @@ def save_nemotron_h(
 
     pattern = layers if isinstance(layers, str) else NemotronHConfig._list_to_pattern(layers)
     config = NemotronHConfig(
-        **NEMOTRON_H, n_groups=n_groups, hybrid_override_pattern=pattern, **overrides
+        **{**NEMOTRON_H, **overrides}, n_groups=n_groups, hybrid_override_pattern=pattern
     )
     torch.manual_seed(0)
     model = NemotronHForCausalLM(config).eval()

@@ -65,3 +65,30 @@ def test_each_scan_pass_carries_its_chunk_table_for_every_layer():
     assert two_pass.prefill.chunks is None
     # Prompt tokens 1-2, then outputs 3-5, which cross the grid at 4.
     assert [ints(p.chunks.chunk_len) for p in two_pass.prefill_ssd_passes] == [[2], [1, 2]]
+
+
+def test_a_request_with_drafts_scans_one_token_a_chunk_and_keeps_each_draft_state():
+    """r1 carries 2 drafts after its known token: the state after each of its tokens but the
+    last goes to its draft blocks (31, 32), which needs every token to end a chunk; r2
+    recomputes outputs in the usual chunks; r0 decodes plainly."""
+    meta = build_mamba_metadata(
+        query_lens=[1, 3, 3],
+        num_computed=[9, 9, 7],
+        num_prompt_tokens=[6, 6, 5],
+        slots=[11, 12, 13],
+        checkpoints=[[], [(1, 31), (2, 32)], []],
+        chunk_size=4,
+        num_drafts=[0, 2, 0],
+    )
+    assert ints(meta.decode.state_indices) == [11]
+    assert ints(meta.prefill.state_indices) == [12, 13]  # the conv: both, checkpoints too
+    assert ints(meta.prefill.checkpoints) == [[0, 1, 31], [0, 2, 32]]
+    rest, drafted = meta.prefill_ssd_passes
+    assert not rest.is_prompt and not drafted.is_prompt
+    assert ints(rest.state_indices) == [13] and rest.chunk_size == 4
+    assert ints(rest.chunks.chunk_len) == [1, 2]  # 7 -> 8 on the grid, then 8 -> 10
+    assert ints(drafted.token_index) == [1, 2, 3]
+    assert ints(drafted.state_indices) == [12] and drafted.chunk_size == 1
+    assert ints(drafted.chunks.chunk_len) == [1, 1, 1]
+    assert ints(drafted.chunks.checkpoint_chunk) == [0, 1]
+    assert ints(drafted.chunks.checkpoint_slot) == [31, 32]

@@ -41,6 +41,9 @@ class SpecContext:
     # Recurrent states' (Mamba's conv state): the dtype the model runs in, which its layers
     # read and write them in, whatever the attention caches are stored as.
     state_dtype: str
+    # Drafts a request may carry into one step: a recurrent layer keeps the state after each
+    # one beside its own (a rejected draft's successor state), 0 when not speculating.
+    num_speculative_tokens: int = 0
 
 
 def _load(path: str):

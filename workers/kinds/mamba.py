@@ -1,7 +1,9 @@
 """Mamba-2 mixer layers (a hybrid's ``mamba`` layers): one ``MambaSpec`` each, whose page holds
 the layer's conv state ``[K-1, conv_dim]`` and SSM state ``[H, P, N]`` end to end; tensor
 parallelism splits conv_dim and the heads. With prefix caching a state is kept every
-``StateCaching.interval`` tokens (kvcore's "align" mode); without, one per request."""
+``StateCaching.interval`` tokens (kvcore's "align" mode); without, one per request, and while
+speculating one more per draft a step may carry (``num_speculative_blocks``: the state after
+each draft, for undoing rejected ones; ``workers.kinds.mamba_metadata``)."""
 
 from __future__ import annotations
 
@@ -40,7 +42,14 @@ def _mamba_spec(context: SpecContext, index: int) -> KVCacheSpec:
         dtypes=(context.state_dtype, mamba.ssm_cache_dtype),
     )
     if caching is None:
-        return MambaSpec(block_size=context.block_size, mamba_cache_mode="none", **fields)
+        return MambaSpec(
+            block_size=context.block_size,
+            mamba_cache_mode="none",
+            num_speculative_blocks=context.num_speculative_tokens,
+            **fields,
+        )
+    if context.num_speculative_tokens:
+        raise ValueError("Mamba draft states are kept only without state caching")
     return MambaSpec(
         block_size=caching.interval,
         mamba_cache_mode="align",

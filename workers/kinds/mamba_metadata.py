@@ -15,6 +15,12 @@ caching ("align" mode, ``plan_align_states``) table position i holds the state a
 into the block of its last token's position when that is another block (the copy runs on the
 worker before the forward), and checkpoints every position boundary it crosses on the way
 into that position's block, so each becomes a prefix-cache entry (``kvcore.managers.mamba``).
+
+A request verifying k drafts (speculative decoding, mode "none") holds k more blocks after its
+slot: its tokens are scanned in a pass of their own, one token a chunk, and the state after
+each token but the last is checkpointed into them. Once the drafts are verified
+(``after_sampling``) a request that kept j < k of them takes the state after its known token
+and those j, in block j + 1, as its state; the scheduler's computed count falls back with it.
 """
 
 from __future__ import annotations
@@ -107,10 +113,14 @@ class _StepRequests:
     device: torch.device | str
     chunk_size: int | None
 
-    def batch(self, requests, spans, is_prompt: bool = True, scan: bool = True) -> MambaBatch:
+    def batch(
+        self, requests, spans, is_prompt: bool = True, scan: bool = True, chunk_size=None
+    ) -> MambaBatch:
         """``spans``: each request's (first token, count) in the step; ``scan``: an SSD pass
-        (its chunk table is built here, for every layer)."""
+        (its chunk table is built here, for every layer), in chunks of ``chunk_size`` (the
+        step's when None)."""
         device, starts = self.device, self.starts
+        chunk_size = chunk_size or self.chunk_size
         rows = [row for first, count in spans for row in range(first, first + count)]
         lens = [count for _, count in spans]
         positions = [
@@ -121,8 +131,8 @@ class _StepRequests:
         start_positions = _tensor(positions, torch.int32, device)
         saved = self._checkpoints_in(requests, spans)
         chunks = None
-        if scan and self.chunk_size is not None:
-            chunks = build_ssd_chunks(query_start_loc, self.chunk_size, start_positions, saved)
+        if scan and chunk_size is not None:
+            chunks = build_ssd_chunks(query_start_loc, chunk_size, start_positions, saved)
         return MambaBatch(
             # Disjoint, ascending spans that cover every token are the whole step, in order.
             token_index=None if len(rows) == starts[-1] else _tensor(rows, torch.int64, device),
@@ -132,7 +142,7 @@ class _StepRequests:
             start_positions=start_positions,
             is_prompt=is_prompt,
             checkpoints=saved,
-            chunk_size=self.chunk_size,
+            chunk_size=chunk_size,
             chunks=chunks,
         )
 
@@ -155,10 +165,13 @@ def build_mamba_metadata(
     device: torch.device | str = "cpu",
     checkpoints: Sequence[Sequence[tuple[int, int]]] | None = None,
     chunk_size: int | None = None,
+    num_drafts: Sequence[int] = (),
 ) -> MambaMetadata:
     """Metadata of one step; per request (batch order): new tokens, tokens computed before,
-    prompt length, state slot, and the states to checkpoint on the way as (tokens consumed,
-    slot) pairs (only prefills cross a boundary before their last token)."""
+    prompt length, state slot, the states to checkpoint on the way as (tokens consumed,
+    slot) pairs (only prefills cross a boundary before their last token), and the drafts
+    among its tokens (none when empty). A request with drafts is scanned in a pass of its
+    own, one token a chunk, so that a checkpoint can follow any of its tokens."""
     starts = [0, *_cumsum(query_lens)]
     step = _StepRequests(num_computed, slots, checkpoints, starts, device, chunk_size)
     is_decode = [
@@ -181,9 +194,13 @@ def build_mamba_metadata(
     in_prompt = [i for i in prefills if prompt_counts[i] > 0]
     if in_prompt:
         passes.append(step.batch(in_prompt, [(starts[i], prompt_counts[i]) for i in in_prompt]))
-    rest = [i for i in prefills if prompt_counts[i] < query_lens[i]]
-    spans = [(starts[i] + prompt_counts[i], query_lens[i] - prompt_counts[i]) for i in rest]
-    passes.append(step.batch(rest, spans, is_prompt=False))
+    drafted = {i for i in prefills if num_drafts and num_drafts[i]}
+    for group, group_chunk in ((set(prefills) - drafted, None), (drafted, 1)):
+        rest = [i for i in prefills if i in group and prompt_counts[i] < query_lens[i]]
+        if not rest:
+            continue
+        spans = [(starts[i] + prompt_counts[i], query_lens[i] - prompt_counts[i]) for i in rest]
+        passes.append(step.batch(rest, spans, is_prompt=False, chunk_size=group_chunk))
     return MambaMetadata(decode, prefill, tuple(passes), chunk_size)
 
 
@@ -211,13 +228,24 @@ class MambaStep(GroupStepBuilder):
         # Tokens between kept states in "align" mode; None: one state per request.
         self.interval = group.spec.block_size if group.spec.mamba_cache_mode == "align" else None
         self._copies: tuple[list[int], list[int]] | None = None
+        # This step's requests with drafts: (state slot, the slot of the state after each of
+        # its tokens but the last), by request id.
+        self._draft_states: dict[str, tuple[int, list[int]]] = {}
 
     def build(self, batch: StepBatch, block_rows: torch.Tensor) -> GroupStep:
         device, num_computed = self.group.device, batch.num_computed
         lens = (batch.query_lens, num_computed, batch.num_prompt_tokens)
         if self.interval is None:
             slots = state_slots(block_rows)
-            metadata = build_mamba_metadata(*lens, slots, device, chunk_size=self.chunk_size)
+            checkpoints = self._plan_draft_states(batch, block_rows, slots)
+            metadata = build_mamba_metadata(
+                *lens,
+                slots,
+                device,
+                checkpoints=checkpoints,
+                chunk_size=self.chunk_size,
+                num_drafts=batch.num_drafts,
+            )
             return GroupStep(metadata, self.kernels)
         plan = plan_align_states(block_rows.tolist(), num_computed, batch.query_lens, self.interval)
         self._copies = plan.copies if plan.copies[0] else None
@@ -230,6 +258,43 @@ class MambaStep(GroupStepBuilder):
             chunk_size=math.gcd(self.chunk_size, self.interval),
         )
         return GroupStep(metadata, self.kernels)
+
+    def _plan_draft_states(self, batch: StepBatch, block_rows: torch.Tensor, slots: list[int]):
+        """Checkpoints after each token of a request with k drafts but its last (its known
+        token, then every draft but the last), into blocks 1..k of its row: the request's
+        draft states (``MambaSpec.num_speculative_blocks``). None when no request has drafts."""
+        self._draft_states = {}
+        if not any(batch.num_drafts):
+            return None
+        checkpoints = []
+        for index, num_drafts in enumerate(batch.num_drafts):
+            targets = block_rows[index, 1 : num_drafts + 1].tolist() if num_drafts else []
+            if len(targets) < num_drafts or 0 in targets:
+                raise ValueError(
+                    f"Request {batch.request_ids[index]}: {num_drafts} drafts, but it holds "
+                    f"{len(targets)} draft states in group {self.group.index}"
+                )
+            checkpoints.append([(n, slot) for n, slot in enumerate(targets, start=1)])
+            if num_drafts:
+                self._draft_states[batch.request_ids[index]] = (slots[index], targets)
+        return checkpoints
+
+    def after_sampling(self, num_accepted: dict[str, int]) -> None:
+        """Undo rejected drafts: a request that kept k of its drafts takes the state after
+        its known token and those k (its draft state k + 1) as its state."""
+        sources, targets = [], []
+        for request_id, (slot, draft_slots) in self._draft_states.items():
+            kept = num_accepted[request_id]
+            if kept < len(draft_slots):
+                sources.append(draft_slots[kept])
+                targets.append(slot)
+        self._draft_states = {}
+        if not sources:
+            return
+        source_ids = torch.tensor(sources, dtype=torch.int64, device=self.group.device)
+        target_ids = torch.tensor(targets, dtype=torch.int64, device=self.group.device)
+        for layer in self.group.layers:
+            layer.copy_states(source_ids, target_ids)
 
     def before_forward(self) -> None:
         """Carry each "align" request's state into the block its step writes."""
