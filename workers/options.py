@@ -74,9 +74,10 @@ class RankSettings(msgspec.Struct, frozen=True, kw_only=True):
         str | None,
         setting(
             "gguf: keep a GGUF's Q4_0/Q4_1/Q8_0 weights in their blocks and multiply them "
-            "as such (CPU workers, float32); none: dequantize every weight to --dtype",
+            "as such (GPU workers; CPU workers at float32); none: dequantize every weight to "
+            "--dtype",
             choices=("gguf", "none"),
-            default_text="gguf for a GGUF on CPU workers, else none",
+            default_text="gguf for a GGUF on GPU workers and float32 CPU workers, else none",
         ),
     ] = None
     kv_cache_memory_bytes: Annotated[

@@ -1,9 +1,10 @@
 """``--quantization``: which weights of a GGUF stay in their integer blocks.
 
-``gguf`` (the default for a GGUF on CPU workers) keeps every weight of a linear layer or
-embedding whose GGUF tensors are all of a type with a kernel (Q4_0, Q4_1, Q8_0) as a
-``QuantizedMatrix``, multiplied by ``kernels.quant.cpu_matmul``; a layer fed by any other type
-(K-quants, floats) is dequantized to float32 as before. ``none`` dequantizes everything. At
+``gguf`` (the default for a GGUF) keeps every weight of a linear layer or embedding whose GGUF
+tensors are all of a type with a kernel (Q4_0, Q4_1, Q8_0) as a ``QuantizedMatrix``, on the
+worker's device, multiplied by ``kernels.quant.matmul`` (C on CPUs with float32 activations,
+Triton on GPUs with float32, bfloat16 or float16 ones); a layer fed by any other type (K-quants,
+floats) is dequantized to --dtype as before. ``none`` dequantizes everything. At
 one row a step reads every weight once, so the bytes read are the step's time: Q4_1 is 5 bits
 a weight against float32's 32.
 
@@ -44,10 +45,12 @@ def keeps_quantized(
             raise UnsupportedModelError("--quantization gguf needs a GGUF model")
         return False
     reason = None
-    if device.type != "cpu":
-        reason = f"on {device.type} workers GGUF weights are dequantized (no kernel yet)"
+    if device.type == "cuda":
+        pass  # the Triton kernel takes float32, bfloat16 and float16 activations
+    elif device.type != "cpu":
+        reason = f"on {device.type} workers GGUF weights are dequantized (no kernel)"
     elif dtype != torch.float32:
-        reason = f"the quantized kernel takes float32 activations, not --dtype {dtype}"
+        reason = f"the CPU kernel takes float32 activations, not --dtype {dtype}"
     elif kernel() is None:
         reason = "the CPU kernel could not be compiled (no C compiler)"
     if reason is None:
@@ -87,15 +90,15 @@ def _holds_blocks(model: nn.Module, module_name: str) -> bool:
     return getattr(module, "holds_quantized", False)
 
 
-def keep_quantized(model: nn.Module, plan: dict[str, str]) -> int:
-    """Give each planned parameter an empty ``QuantizedMatrix`` of its shape for its loader to
-    fill, and let its float storage go; returns the bytes the blocks take."""
+def keep_quantized(model: nn.Module, plan: dict[str, str], device="cpu") -> int:
+    """Give each planned parameter an empty ``QuantizedMatrix`` of its shape on ``device`` for
+    its loader to fill, and let its float storage go; returns the bytes the blocks take."""
     params = dict(model.named_parameters(remove_duplicate=False))
     total = 0
     for name, kind in plan.items():
         param = params[parameter_target(model, hf_tensor_name(name))[0]]
         if getattr(param, "quantized", None) is None:
-            param.quantized = QuantizedMatrix.zeros(kind, *param.shape)
-            param.data = torch.empty(0, dtype=param.dtype)
+            param.quantized = QuantizedMatrix.zeros(kind, *param.shape, device=device)
+            param.data = torch.empty(0, dtype=param.dtype, device=device)
             total += param.quantized.nbytes
     return total

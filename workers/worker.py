@@ -88,8 +88,7 @@ class Worker:
             load_default_weights(model)
         else:
             load_weights(model, Path(self.options.model), show_progress=self.rank == 0)
-        if self.device.type == "cpu":
-            pack_linear_weights(model)
+        pack_linear_weights(model)  # on GPUs only the layers kept quantized change
         self.model = model.eval()
         logger.info("rank %d loaded the model in %.1f s", self.rank, time.perf_counter() - started)
 
@@ -99,7 +98,7 @@ class Worker:
         )
         plan = plan_quantized(model, read_metadata(path)) if keep else {}
         if plan:
-            size = keep_quantized(model, plan)
+            size = keep_quantized(model, plan, self.device)
             logger.info(
                 "rank %d keeps %d GGUF tensors quantized (%.1f MiB)",
                 self.rank,

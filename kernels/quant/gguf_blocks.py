@@ -33,20 +33,21 @@ class QuantizedMatrix:
         self._kernel_args = None
 
     @classmethod
-    def zeros(cls, kind: str, rows: int, cols: int) -> QuantizedMatrix:
-        """All weights zero (scale 0): a slice no checkpoint fills, such as vocabulary padding,
-        multiplies as zeros."""
+    def zeros(cls, kind: str, rows: int, cols: int, device="cpu") -> QuantizedMatrix:
+        """All weights zero (scale 0) on ``device``: a slice no checkpoint fills, such as
+        vocabulary padding, multiplies as zeros."""
         if cols % BLOCK:
             raise ValueError(f"{cols} columns do not split into blocks of {BLOCK}")
         blocks = cols // BLOCK
         if kind == Q4:
-            qs = torch.zeros(rows, cols // 2, dtype=torch.uint8)
+            qs = torch.zeros(rows, cols // 2, dtype=torch.uint8, device=device)
         elif kind == Q8:
-            qs = torch.zeros(rows, cols, dtype=torch.int8)
+            qs = torch.zeros(rows, cols, dtype=torch.int8, device=device)
         else:
             raise ValueError(f"Unknown quantized kind {kind!r}")
-        mins = torch.zeros(rows, blocks if kind == Q4 else 0, dtype=torch.float16)
-        return cls(kind, qs, torch.zeros(rows, blocks, dtype=torch.float16), mins)
+        halves = dict(dtype=torch.float16, device=device)
+        mins = torch.zeros(rows, blocks if kind == Q4 else 0, **halves)
+        return cls(kind, qs, torch.zeros(rows, blocks, **halves), mins)
 
     @classmethod
     def from_gguf(cls, type_name: str, raw: np.ndarray) -> QuantizedMatrix:

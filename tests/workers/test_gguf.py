@@ -367,6 +367,24 @@ def test_quantized_layers_equal_the_dequantized_ones_layer_by_layer(quantized_fi
 VOCAB_LAST = COMMON["vocab_size"] - 1
 
 
+def test_the_gpu_kernel_multiplies_every_loaded_layer_as_the_dequantized_one(quantized_files):
+    """The Triton GGUF matmul a GPU worker calls (here under the interpreter), on the blocks
+    the loader kept: fused QKV and gate-up rows, the down projection, the LM head."""
+    from kernels.quant.triton_matmul import quantized_linear as gpu_linear
+
+    _, path = quantized_files["all"]
+    quantized = dict(loaded_worker(path).model.named_modules())
+    dense = dict(loaded_worker(path, quantization="none").model.named_modules())
+    generator = torch.Generator().manual_seed(1)
+    for name in ("model.layers.0.self_attn.qkv_proj", "model.layers.3.mlp.down_proj", "lm_head"):
+        layer = quantized[name]
+        x = torch.randn(3, layer.weight.quantized.shape[1], generator=generator)
+        got = gpu_linear(x, layer.packed_weight, getattr(layer, "bias", None))
+        dense_layer = dense[name]
+        expected = dense_layer.compute_logits(x) if name == "lm_head" else dense_layer(x)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=name)
+
+
 def test_a_fused_layer_of_mixed_types_stays_float(quantized_files):
     """MIXED stores Q, K and V (and gate and up) in types of different kinds: those fused
     layers are dequantized, the others are kept in blocks."""
@@ -402,6 +420,9 @@ def test_quantization_that_cannot_be_served_is_refused_by_name(quantized_files):
     assert not keeps_quantized(None, is_gguf=True, device=torch.device("meta"), dtype=torch.float32)
     assert not keeps_quantized(None, is_gguf=True, device=cpu, dtype=torch.bfloat16)
     assert keeps_quantized(None, is_gguf=True, device=cpu, dtype=torch.float32)
+    # GPU workers keep the blocks at any activation dtype (the Triton kernel).
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert keeps_quantized(None, is_gguf=True, device=torch.device("cuda"), dtype=dtype)
     _, path = quantized_files["all"]
     worker = Worker(0, WorkerOptions(model=str(path), dtype="bfloat16", quantization="gguf"))
     worker.init_tp_group(None)

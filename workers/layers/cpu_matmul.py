@@ -6,7 +6,8 @@ weight, made once after loading, measured 1.5-2.5x faster here at every row coun
 2048 (fp32, two cores). Only fp32 weights on CPUs are packed; everything else keeps
 ``F.linear``. A packed layer drops its unpacked weight (a second copy of the model would
 double its memory), so the layer must not be loaded again afterwards. A weight kept in GGUF's
-quantized blocks (``workers.quantization``) is multiplied by ``kernels.quant.cpu_matmul``.
+quantized blocks (``workers.quantization``), on any device, is swapped for its blocks the same
+way and multiplied by ``kernels.quant.matmul`` (the C kernel on CPUs, Triton on GPUs).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.quant.cpu_matmul import quantized_linear
 from kernels.quant.gguf_blocks import QuantizedMatrix
+from kernels.quant.matmul import quantized_linear
 
 logger = logging.getLogger(__name__)
 

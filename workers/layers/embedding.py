@@ -51,7 +51,8 @@ class VocabParallelEmbedding(nn.Module):
         if quantized is None:
             return F.embedding(rows, self.weight)
         flat = rows.reshape(-1)
-        return quantized.index_rows(flat).dequantize().reshape(*rows.shape, -1)
+        rows_read = quantized.index_rows(flat).dequantize().to(self.weight.dtype)
+        return rows_read.reshape(*rows.shape, -1)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
