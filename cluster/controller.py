@@ -15,7 +15,7 @@ from cluster.config import EngineConfig
 from cluster.placement import cpus_per_worker, reserve, start_worker_actors, worker_bundle
 from cluster.scheduler.scheduler import Scheduler
 from cluster.startup import check_expert_split, plan_kv_cache
-from cluster.transport import RayActorTransport
+from cluster.transport import StepTransport, ray_transport
 from kvcore import KVCacheConfig, decode, encode
 from workers.bringup import ActorRank, bring_up
 from workers.model_source import model_config_for
@@ -30,6 +30,7 @@ class Controller:
         self.model_config = model_config_for(self.config.model)
         self.workers: list = []
         self.pg = None
+        self.transport: StepTransport | None = None
         self.use_gpu = False
         self.cpus_per_worker = 1
         self.engine = None
@@ -59,7 +60,7 @@ class Controller:
             "layout": kv_config.layout,
         }
 
-    async def _start_group(self) -> tuple[RayActorTransport, KVCacheConfig]:
+    async def _start_group(self) -> tuple[StepTransport, KVCacheConfig]:
         """Placement group, one worker actor per rank, handshake, allocated caches."""
         await self._reserve(self.use_gpu)
         self.workers = start_worker_actors(self.config, self.pg, self.use_gpu, self.cpus_per_worker)
@@ -67,21 +68,27 @@ class Controller:
             [ActorRank(worker) for worker in self.workers],
             lambda reports: plan_kv_cache(reports, self.model_config, self.config),
         )
-        return RayActorTransport(self.workers), kv_config
+        self.transport = ray_transport(self.config.step_transport, self.workers)
+        return self.transport, kv_config
 
-    async def _rebuild(self) -> tuple[RayActorTransport, Scheduler]:
+    async def _rebuild(self) -> tuple[StepTransport, Scheduler]:
         """After a failure: a new worker group with a fresh cache, and its scheduler. Every
         rank goes, the healthy ones too: a TP group with a dead member cannot be mended."""
-        self._tear_down_group()
+        await self._tear_down_group()
         transport, kv_config = await self._start_group()
         return transport, build_scheduler(self.config, self.model_config, kv_config)
 
-    def _tear_down_group(self) -> None:
+    async def _tear_down_group(self) -> None:
         for worker in self.workers:
             ray.kill(worker)
         if self.pg is not None:
             remove_placement_group(self.pg)
         self.workers, self.pg = [], None
+        transport, self.transport = self.transport, None
+        if transport is not None:
+            # A compiled graph's teardown blocks on its ranks (dead by now, so it is quick):
+            # off the event loop, which is still telling clients their streams failed.
+            await asyncio.get_running_loop().run_in_executor(None, transport.close)
 
     async def _reserve(self, use_gpu: bool) -> None:
         self.cpus_per_worker = cpus_per_worker(self.config, use_gpu)
@@ -103,6 +110,7 @@ class Controller:
             "num_steps": self.engine.num_steps,
             "num_rebuilds": self.engine.num_rebuilds,
             "state": self.engine.state.value,
+            "step_transport": type(self.transport).__name__,
         }
 
     async def node_id(self) -> str:
@@ -118,7 +126,7 @@ class Controller:
     async def stop(self) -> None:
         if self.serving is not None:
             await self.serving.stop(1.0)
-        self._tear_down_group()
+        await self._tear_down_group()
 
 
 def start_controller(config: EngineConfig):

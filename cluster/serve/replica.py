@@ -23,7 +23,7 @@ from cluster.placement import start_worker_actors
 from cluster.serve.routing import BOUNDARY, PREFIX, short_hash
 from cluster.server_info import occupancy
 from cluster.startup import check_expert_split, plan_kv_cache
-from cluster.transport import RayActorTransport
+from cluster.transport import ray_transport
 from kvcore import FullAttentionSpec, decode, encode
 from kvcore.hashing import split_group_key
 from workers.bringup import ActorRank, bring_up
@@ -47,9 +47,8 @@ class EngineReplica:
             lambda reports: plan_kv_cache(reports, self.model_config, self.config),
         )
         # No rebuild: a lost worker stops this engine, and Serve replaces the replica.
-        self.engine = build_engine(
-            self.config, self.model_config, self.kv_config, RayActorTransport(self.workers)
-        )
+        self.transport = ray_transport(self.config.step_transport, self.workers)
+        self.engine = build_engine(self.config, self.model_config, self.kv_config, self.transport)
         self.engine.start()
         self.plan = encode(self.kv_config)  # reported with every routing stats, made once
 
@@ -79,6 +78,7 @@ class EngineReplica:
 
     async def __del__(self) -> None:
         await self.engine.stop()
+        self.transport.close()
 
 
 def routing_stats(engine, kv_config, plan: bytes) -> dict:

@@ -1,5 +1,7 @@
 """Serving through the Ray controller on a real local Ray cluster: TP=1 and TP=2 give the
-in-process engine's greedy tokens, and losing a worker fails in-flight requests promptly."""
+in-process engine's greedy tokens through either step transport (a compiled graph, the
+default, or one actor call per rank), and losing a worker fails in-flight requests promptly and
+the group is rebuilt, with its graph."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from cluster.config import EngineConfig
 from cluster.controller import start_controller
 from cluster.local import LocalServer
 from cluster.placement import cpus_per_worker
+from cluster.transport import STEP_TRANSPORTS
 from tests.cluster.ray_helpers import BASE, greedy_tokens, serve, stop
 
 
@@ -30,11 +33,19 @@ def reference_tokens():
         return greedy_tokens(server.address)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_controller_serves_the_same_tokens(local_ray, reference_tokens, tp):
+@pytest.mark.parametrize(
+    "tp,transport", [(1, "compiled_graph"), (2, "compiled_graph"), (2, "actor_calls")]
+)
+def test_controller_serves_the_same_tokens(local_ray, reference_tokens, tp, transport):
     cpus = 3 - tp  # TP 1 on two CPUs; TP 2 on one each
-    handle, address = serve(tensor_parallel_size=tp, kv_cache_layout="BLHNC", cpus_per_worker=cpus)
+    handle, address = serve(
+        tensor_parallel_size=tp, kv_cache_layout="BLHNC", cpus_per_worker=cpus,
+        step_transport=transport,
+    )  # fmt: skip
     try:
+        assert (
+            ray.get(handle.stats.remote())["step_transport"] == STEP_TRANSPORTS[transport].__name__
+        )
         workers = ray.get(handle.worker_handles.remote())
         # Each rank computes on as many torch threads as its bundle holds CPUs.
         assert [ray.get(w.health.remote())["num_threads"] for w in workers] == [cpus] * tp
@@ -49,9 +60,13 @@ def test_controller_serves_the_same_tokens(local_ray, reference_tokens, tp):
         stop(handle)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_a_lost_worker_fails_its_streams_and_the_group_is_rebuilt(local_ray, reference_tokens, tp):
-    handle, address = serve(tensor_parallel_size=tp)
+@pytest.mark.parametrize(
+    "tp,transport", [(1, "compiled_graph"), (2, "compiled_graph"), (2, "actor_calls")]
+)
+def test_a_lost_worker_fails_its_streams_and_the_group_is_rebuilt(
+    local_ray, reference_tokens, tp, transport
+):
+    handle, address = serve(tensor_parallel_size=tp, step_transport=transport)
     try:
         errors, first_token = [], threading.Event()
 
@@ -83,6 +98,7 @@ def test_a_lost_worker_fails_its_streams_and_the_group_is_rebuilt(local_ray, ref
         assert greedy_tokens(address) == reference_tokens  # a fresh cache, the same model
         stats = ray.get(handle.stats.remote())
         assert stats["num_rebuilds"] == 1 and stats["state"] == "serving"
+        assert stats["step_transport"] == STEP_TRANSPORTS[transport].__name__
         assert stats["num_free_blocks"] == stats["num_usable_blocks"]
         new_workers = ray.get(handle.worker_handles.remote())
         assert len(new_workers) == tp and not set(new_workers) & set(workers)
@@ -95,6 +111,16 @@ def test_by_default_cpu_ranks_share_the_node(local_ray):
     assert cpus_per_worker(EngineConfig(tensor_parallel_size=3), use_gpu=False) == 1
     assert cpus_per_worker(EngineConfig(tensor_parallel_size=2), use_gpu=True) == 1
     assert cpus_per_worker(EngineConfig(cpus_per_worker=3), use_gpu=False) == 3
+
+
+def test_the_step_transport_defaults_to_a_compiled_graph_beside_gpus_only():
+    # A compiled graph's readers spin on a core each, which CPU workers compute with.
+    assert EngineConfig().for_workers_on(use_gpu=True).step_transport == "compiled_graph"
+    assert EngineConfig().for_workers_on(use_gpu=False).step_transport == "actor_calls"
+    chosen = EngineConfig(step_transport="compiled_graph").for_workers_on(use_gpu=False)
+    assert chosen.step_transport == "compiled_graph"
+    with pytest.raises(ValueError, match="step_transport"):
+        EngineConfig(step_transport="shared_memory")
 
 
 def test_placement_that_can_never_fit_fails_at_once(local_ray):
