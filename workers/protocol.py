@@ -78,7 +78,8 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True):
     sampled: dict[str, int] = {}
     # For the sampled requests that asked: their token's log-probability and alternatives.
     logprobs: dict[str, TokenLogprobs] = {}
-    # Seconds this rank spent in the model forward (the rest of a step is overhead).
+    # Seconds this rank spent in the model forward and its LM head (the rest of a step is
+    # overhead).
     forward_seconds: float = 0.0
     # Constrained requests whose grammar refused the token sampled for them: they fail.
     refused: list[str] = []

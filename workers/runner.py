@@ -104,7 +104,8 @@ class ModelRunner:
         # The rows rank 0 samples, made once: their bitmasks are filled during the forward.
         rows = self._sampling_rows(request_ids, drafts) if get_tp_group().is_first_rank else []
         hidden, forward_seconds, masks = self._forward(batch, rows)
-        logits = self._logits(hidden, row_indices)
+        logits, logits_seconds = self._logits(hidden, row_indices)
+        forward_seconds += logits_seconds
         sampled, logprobs, refused, accepted = self._sample(
             request_ids, drafts, rows, masks, logits
         )
@@ -215,11 +216,19 @@ class ModelRunner:
                 masks = self.sampler.fill_masks(rows)
             return hidden, elapsed, masks
 
-    def _logits(self, hidden: torch.Tensor, row_indices: list[int]) -> torch.Tensor | None:
+    def _logits(
+        self, hidden: torch.Tensor, row_indices: list[int]
+    ) -> tuple[torch.Tensor | None, float]:
+        """The sampled rows' logits ``[rows, vocab]``, and the seconds the LM head took (part
+        of the forward: at SmolLM2's 49152 words a tenth of a decode step)."""
         if not row_indices:
-            return None
+            return None, 0.0
+        started = time.perf_counter()
         with torch.inference_mode():
-            return self.model.compute_logits(hidden[row_indices])  # [rows, vocab]
+            logits = self.model.compute_logits(hidden[row_indices])
+        if self.device.type == "cuda":  # queued: sampling waits for it right after anyway
+            torch.cuda.synchronize(self.device)
+        return logits, time.perf_counter() - started
 
     def _sample(
         self,
