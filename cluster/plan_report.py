@@ -97,21 +97,23 @@ def state_caching_lines(config: EngineConfig, kv) -> list[str]:
     if not mamba_groups:
         return []
     caching = config.state_caching()
-    if caching is None and config.num_speculative_tokens:
-        drafts = config.num_speculative_tokens
-        return [
-            f"mamba states: one per request and {drafts} draft states (--speculative-config), "
-            "no prefix-cache hits while speculating"
-        ]
+    lines = []
     if caching is None:
-        return ["mamba states: one per request, no prefix-cache hits (prefix caching is off)"]
-    # Each group's state block is a whole pool block, whatever its page.
-    per_step = caching.num_checkpoints * len(mamba_groups) * kv.bytes_per_block
-    return [
-        f"mamba states: one kept every {caching.interval} tokens for prefix caching "
-        f"(--mamba-state-interval); a step checkpoints up to {caching.num_checkpoints} per "
-        f"group, {per_step} bytes in blocks until they are cached, then evictable"
-    ]
+        lines.append("mamba states: one per request, no prefix-cache hits (prefix caching is off)")
+    else:
+        # Each group's state block is a whole pool block, whatever its page.
+        per_step = caching.num_checkpoints * len(mamba_groups) * kv.bytes_per_block
+        lines.append(
+            f"mamba states: one kept every {caching.interval} tokens for prefix caching "
+            f"(--mamba-state-interval); a step checkpoints up to {caching.num_checkpoints} per "
+            f"group, {per_step} bytes in blocks until they are cached, then evictable"
+        )
+    if config.num_speculative_tokens:
+        lines.append(
+            f"mamba draft states: {config.num_speculative_tokens} per request and group "
+            "(--speculative-config), to undo rejected drafts"
+        )
+    return lines
 
 
 def latent_lines(

@@ -323,6 +323,12 @@ class KVCacheCoordinator:
             for manager in self.managers
         ]
 
+    def get_draft_block_ids(self, request: KVRequest) -> list[list[int]]:
+        """The request's draft-state blocks in each group (``draft_block_ids``), or [] when
+        no group holds any."""
+        ids = [manager.draft_block_ids(request.request_id) for manager in self.managers]
+        return ids if any(ids) else []
+
     def take_new_block_ids(self) -> list[int]:
         """Blocks allocated since the last call that the workers must zero before use."""
         return [block_id for m in self.managers for block_id in m.take_new_block_ids()]

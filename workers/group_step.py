@@ -77,6 +77,13 @@ class GroupStepBuilder(ABC):
         """The group's step: ``block_rows`` is its ``[R, W]`` int32 host table of manager
         block ids, one row per request of ``batch``."""
 
+    def add_request(self, request_id: str, draft_block_ids: list[int]) -> None:  # noqa: B027
+        """A request arrived (or resumed), with the draft-state blocks it holds in this
+        group beside its table (``NewRequest.draft_block_ids``; most kinds hold none)."""
+
+    def remove_request(self, request_id: str) -> None:  # noqa: B027
+        """A request finished or was preempted."""
+
     def before_forward(self) -> None:  # noqa: B027 (most kinds have nothing to do)
         """Work the step needs done before the model runs (in its forward context)."""
 

@@ -184,11 +184,8 @@ class RankSettings(msgspec.Struct, frozen=True, kw_only=True):
         return 0 if speculative is None else speculative.num_speculative_tokens
 
     def state_caching(self) -> StateCaching | None:
-        """How Mamba layers keep states for the prefix cache (None: caching is off). Off while
-        speculating too: a rejected draft is undone by the request's draft states
-        (``num_speculative_tokens`` blocks beside its state), which kvcore keeps only for
-        requests holding one state for life."""
-        if not self.enable_prefix_caching or self.num_speculative_tokens:
+        """How Mamba layers keep states for the prefix cache (None: caching is off)."""
+        if not self.enable_prefix_caching:
             return None
         return StateCaching(self.mamba_state_interval, self.max_num_batched_tokens)
 

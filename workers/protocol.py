@@ -40,6 +40,9 @@ class NewRequest(msgspec.Struct, frozen=True, kw_only=True):
     # A constrained request's compiled grammar (xgrammar's serialized form), with its first
     # step only: the sampling rank keeps its matcher across preemptions.
     grammar: bytes | None = None
+    # Per group, the blocks the request holds beside its table for speculative decoding's
+    # draft states (a Mamba group with prefix caching); empty when no group holds any.
+    draft_block_ids: list[list[int]] = []
 
 
 class RequestDelta(msgspec.Struct, frozen=True, kw_only=True):

@@ -125,6 +125,8 @@ class ModelRunner:
             self.requests.pop(request_id, None)
             for table in self.block_tables:
                 table.remove(request_id)
+            for builder in self.group_steps:
+                builder.remove_request(request_id)
         for request_id in plan.finished_ids:
             self.sampler.remove_request(request_id)
         for new in plan.new_requests:
@@ -136,6 +138,9 @@ class ModelRunner:
             )
             for table, ids in zip(self.block_tables, new.block_ids, strict=True):
                 table.add(new.request_id, ids)
+            drafts = new.draft_block_ids or [[] for _ in self.group_steps]
+            for builder, ids in zip(self.group_steps, drafts, strict=True):
+                builder.add_request(new.request_id, ids)
             self.sampler.add_request(new.request_id, new.sampling, new.grammar)
         for delta in plan.deltas:
             if delta.request_id not in self.requests:

@@ -42,7 +42,10 @@ class ScheduledStep:
 
 
 def new_request_message(
-    request: EngineRequest, block_ids: list[list[int]], num_new_tokens: int
+    request: EngineRequest,
+    block_ids: list[list[int]],
+    num_new_tokens: int,
+    draft_block_ids: list[list[int]] | None = None,
 ) -> NewRequest:
     """What the workers first learn of ``request``: everything user-supplied that reaches
     them (id, token ids, sampling) travels here."""
@@ -57,6 +60,7 @@ def new_request_message(
         num_new_tokens=num_new_tokens,
         # A resumed request's matcher is still on the sampling rank.
         grammar=None if request.was_sent else request.grammar,
+        draft_block_ids=draft_block_ids or [],
     )
 
 
@@ -268,7 +272,8 @@ class Scheduler:
                 )
             else:
                 block_ids = self.coordinator.get_block_ids(kv)
-                new_requests.append(new_request_message(request, block_ids, num_new))
+                draft_ids = self.coordinator.get_draft_block_ids(kv)
+                new_requests.append(new_request_message(request, block_ids, num_new, draft_ids))
                 request.is_on_workers = request.was_sent = True
             kv.num_computed_tokens += num_new
             request.draft_token_ids = drafts

@@ -228,6 +228,11 @@ class GroupManager:
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         return self.req_to_blocks.get(request_id, [])
 
+    def draft_block_ids(self, request_id: str) -> list[int]:
+        """Blocks the request holds beside its table for speculative decoding's draft states
+        (a recurrent group's, ``kvcore.managers.mamba``); none for most kinds."""
+        return []
+
     def take_new_block_ids(self) -> list[int]:
         """Block ids allocated since the last call that the worker must zero before use."""
         ids, self.new_block_ids = self.new_block_ids, []

@@ -27,8 +27,13 @@ Two modes (``MambaSpec.mamba_cache_mode``):
   cached. A shared prefix then hits at its last state boundary even when the first request's
   steps ended inside its own unique tokens.
 
-``"all"`` (a state block per position, all kept) and speculative blocks in ``"align"`` mode are
-not supported yet and are refused at construction.
+  With ``num_speculative_blocks = k > 0`` (speculative decoding) a request also holds k draft
+  blocks for its life beside its table (``draft_block_ids``), claimed with its first
+  allocation: the worker keeps there the state after each draft a step verifies. They are
+  never cached and never in the table, so positions and hits are as without them.
+
+``"all"`` (a state block per position, all kept) is not supported yet and is refused at
+construction.
 """
 
 from __future__ import annotations
@@ -54,9 +59,9 @@ class MambaManager(GroupManager):
                 "mamba_cache_mode 'all' is not supported by kvray's block manager; "
                 "use 'align' (prefix caching) or 'none'."
             )
-        if self.mamba_cache_mode == "align" and self.num_speculative_blocks:
-            raise ValueError("Speculative blocks are not supported with mamba_cache_mode 'align'.")
         self.is_align = self.mamba_cache_mode == "align"
+        # align mode: each request's draft blocks, outside its positional table.
+        self._draft_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_checkpoints = self.spec.num_prefill_checkpoint_blocks if self.is_align else 0
         self.frees_blocks_early = self.is_align
         # align mode: table positions of previous state blocks, freed once the copy has run.
@@ -92,6 +97,8 @@ class MambaManager(GroupManager):
         if self.is_align:
             num_positions = cdiv(num_tokens, self.block_size) - num_held
             num_new = 1 + min(num_positions - 1, self.num_checkpoints) if num_positions > 0 else 0
+            if request_id not in self._draft_blocks:
+                num_new += self.num_speculative_blocks
         else:
             num_new = max(1 + self.num_speculative_blocks - num_held, 0)
         num_evictable = sum(1 for b in hit_blocks if b.ref_cnt == 0 and not b.is_null)
@@ -106,6 +113,10 @@ class MambaManager(GroupManager):
             new_blocks = self.block_pool.get_new_blocks(num_new)
             table.extend(new_blocks)
             return new_blocks
+        if self.num_speculative_blocks and request_id not in self._draft_blocks:
+            self._draft_blocks[request_id] = self.block_pool.get_new_blocks(
+                self.num_speculative_blocks
+            )
         num_required = cdiv(num_tokens, self.block_size)
         if num_required <= len(table):
             return []
@@ -188,6 +199,14 @@ class MambaManager(GroupManager):
             return super().next_cache_tokens(request_id, num_computed_tokens)
         return (num_computed_tokens // self.block_size + 1) * self.block_size
 
+    def draft_block_ids(self, request_id: str) -> list[int]:
+        """The request's draft blocks in align mode (empty otherwise: in mode "none" they
+        follow its state in its table)."""
+        return [block.block_id for block in self._draft_blocks.get(request_id, ())]
+
     def free(self, request_id: str) -> None:
         self._pending_frees.pop(request_id, None)
+        drafts = self._draft_blocks.pop(request_id, None)
+        if drafts:
+            self.block_pool.free_blocks(drafts)
         super().free(request_id)

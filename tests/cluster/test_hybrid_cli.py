@@ -5,6 +5,8 @@ at TP 2 answers the client with them and hits its prefix cache."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.cluster.test_cli import generate_token_ids, run, serve_twice
@@ -26,6 +28,10 @@ def expected(model_dir):
     return tokens
 
 
+def concurrency(plan: str) -> float:
+    return float(re.search(r"max concurrency ([0-9.]+)x", plan).group(1))
+
+
 def test_plan_shows_the_state_groups_and_their_interval(model_dir):
     result = run("plan", "--model", str(model_dir), "--kv-cache-memory", "8MiB")
     assert result.returncode == 0, result.stderr
@@ -34,14 +40,15 @@ def test_plan_shows_the_state_groups_and_their_interval(model_dir):
     assert out.count("MambaSpec: 1 layers, block 128 tokens") == 2  # one group per layer
     assert "mamba states: one kept every 128 tokens for prefix caching" in out
     assert "BHLNC: cannot express this model" in out
-    # Speculating, each request holds a state and a draft state per draft, and no more
-    # states for the prefix cache: the same memory fits more tokens.
+    # Speculating, each request also holds a draft state per draft in each Mamba group.
     spec = '{"method": "ngram", "num_speculative_tokens": 3}'
     result = run("plan", "--model", str(model_dir), "--kv-cache-memory", "8MiB",
                  "--speculative-config", spec)  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert "mamba states: one per request and 3 draft states" in result.stdout
-    assert "MambaSpec: 1 layers, block 16 tokens" in result.stdout
+    assert "mamba draft states: 3 per request and group" in result.stdout
+    assert "mamba states: one kept every 128 tokens for prefix caching" in result.stdout
+    # ... which take blocks: fewer requests fit at once.
+    assert concurrency(result.stdout) < concurrency(out)
 
 
 def test_generate_prints_transformers_tokens_as_json(model_dir, expected):

@@ -2,7 +2,7 @@
 greedy tokens equal transformers' for a dense Llama, an MLA DeepSeek and a NemotronH hybrid
 (whose Mamba states roll back past rejected drafts) with drafts both accepted and rejected,
 under chunked prefill, preemption and prefix hits (a hit on blocks a rejected draft once wrote
-must hold the verified K/V; a hybrid keeps no states for the prefix cache while speculating);
+must hold the verified K/V, and a hybrid's hit the verified Mamba state);
 stops inside accepted drafts end where plain decoding ends; TP 2 on Ray agrees, for the
 hybrid too."""
 
@@ -94,6 +94,7 @@ def engine_config(directory, **settings) -> EngineConfig:
             "max_model_len": 256,
             "speculative_config": SPEC,
             "kv_cache_memory_bytes": 16 << 20,
+            "mamba_state_interval": 8,  # a hybrid's prefix hits at multiples of 8 tokens
             **settings,
         },
     )
@@ -138,19 +139,20 @@ def test_greedy_tokens_equal_transformers_with_drafts_accepted_and_rejected(mode
         # verified tokens did: only verified K/V may have been cached.
         for prompt, want in zip(follow_ups, follow_up_expected, strict=True):
             done = client.generate(prompt, max_tokens=12, temperature=0)
-            # A hybrid's prefix needs its Mamba state too, which it does not cache while
-            # speculating.
-            assert (done.usage.cached_prompt_tokens > 0) == (family != "nemotron_h")
+            assert done.usage.cached_prompt_tokens > 0
             assert done.token_ids == want
 
 
 def test_preemption_with_drafts_in_play_keeps_the_tokens(model):
     family, directory, expected, _, _ = model
     # 40 blocks of 4 tokens hold one request of the longest (128), not all three at once
-    # (100 + 46 + 78 tokens); a hybrid's request also holds 8 state blocks (a state and 3
-    # draft states per Mamba layer).
-    blocks = 44 if family == "nemotron_h" else 40
-    config = engine_config(directory, num_gpu_blocks_override=blocks, max_model_len=128)
+    # (100 + 46 + 78 tokens). A hybrid's request may also hold, per Mamba layer, its state,
+    # its copy source, a step's 4 checkpoints (32 tokens a step, a state every 8) and 3 draft
+    # states: 18 more.
+    settings = dict(max_model_len=128, num_gpu_blocks_override=40)
+    if family == "nemotron_h":
+        settings.update(num_gpu_blocks_override=58, max_num_batched_tokens=32)
+    config = engine_config(directory, **settings)
     with LocalServer(config) as server, Client(server.address) as client:
         assert generate_all(server.address, REPEATING, NUM_TOKENS) == expected
         assert server.engine.scheduler.num_preemptions > 0
@@ -234,12 +236,16 @@ class OracleProposer:
         return drafts
 
 
-def test_hybrid_states_roll_back_to_every_draft_depth(nemotron_h):
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_hybrid_states_roll_back_to_every_draft_depth(nemotron_h, prefix_caching):
     """A Mamba state that took k drafts in must become the state after the ones kept, for
-    every count kept from none to all: drafts from an oracle, wrong at a known depth."""
+    every count kept from none to all: drafts from an oracle, wrong at a known depth. With
+    prefix caching the draft states sit beside the positional table (states every 8 tokens,
+    so rejected drafts often cross a boundary), without it after the state in its row."""
     _, directory, expected, _, _ = nemotron_h
     sequences = [p + out for p, out in zip(REPEATING, expected, strict=True)]
-    with LocalServer(engine_config(directory)) as server, Client(server.address) as client:
+    config = engine_config(directory, enable_prefix_caching=prefix_caching)
+    with LocalServer(config) as server, Client(server.address) as client:
         oracle = OracleProposer(sequences, num_drafts=3)
         server.engine.scheduler.proposer = oracle
         for prompt, want in zip(REPEATING, expected, strict=True):

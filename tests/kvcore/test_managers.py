@@ -389,8 +389,26 @@ def test_mamba_align_first_allocation_from_a_hit_copies_the_hit_state():
 def test_mamba_unsupported_modes_are_refused():
     with pytest.raises(ValueError, match="'all' is not supported"):
         manager_for(mamba(16, "all"))
-    with pytest.raises(ValueError, match="Speculative blocks"):
-        manager_for(mamba(16, "align", num_speculative_blocks=1))
+
+
+def test_mamba_align_draft_blocks_sit_beside_the_table_for_the_request_life():
+    """Speculating, an align request holds 2 draft blocks from its first allocation to its
+    end: counted when it is admitted, never in its table or the prefix cache."""
+    manager = manager_for(mamba(16, "align", num_speculative_blocks=2))
+    request = KVRequest("a", prompt(40), hash_block_size=16)
+    assert manager.num_blocks_to_allocate("a", 20, (), 0) == 1 + 2
+    assert ids(admit(manager, request, 20)) == [0, 3]  # the table: drafts claimed first
+    assert manager.draft_block_ids("a") == [1, 2] and table_ids(manager, "a") == [0, 3]
+    assert manager.num_blocks_to_allocate("a", 40, (), 20) == 1  # drafts already held
+    assert ids(manager.allocate_new_blocks("a", 40)) == [4]
+    assert manager.draft_block_ids("a") == [1, 2]
+    manager.cache_blocks(request, 32)
+    cached = {block.block_id for _, block in manager.block_pool.cached_blocks.iter_blocks()}
+    assert cached == {3} and not {1, 2} & cached
+    free_before = manager.block_pool.num_free_blocks
+    manager.free("a")
+    assert manager.draft_block_ids("a") == []
+    assert manager.block_pool.num_free_blocks == free_before + 4
 
 
 def test_mamba_blocks_are_not_reported_for_zeroing():

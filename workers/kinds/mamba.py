@@ -1,9 +1,10 @@
 """Mamba-2 mixer layers (a hybrid's ``mamba`` layers): one ``MambaSpec`` each, whose page holds
 the layer's conv state ``[K-1, conv_dim]`` and SSM state ``[H, P, N]`` end to end; tensor
 parallelism splits conv_dim and the heads. With prefix caching a state is kept every
-``StateCaching.interval`` tokens (kvcore's "align" mode); without, one per request, and while
-speculating one more per draft a step may carry (``num_speculative_blocks``: the state after
-each draft, for undoing rejected ones; ``workers.kinds.mamba_metadata``)."""
+``StateCaching.interval`` tokens (kvcore's "align" mode); without, one per request. While
+speculating each request also holds one block per draft a step may carry
+(``num_speculative_blocks``: the state after each draft, for undoing rejected ones;
+``workers.kinds.mamba_metadata``)."""
 
 from __future__ import annotations
 
@@ -48,12 +49,11 @@ def _mamba_spec(context: SpecContext, index: int) -> KVCacheSpec:
             num_speculative_blocks=context.num_speculative_tokens,
             **fields,
         )
-    if context.num_speculative_tokens:
-        raise ValueError("Mamba draft states are kept only without state caching")
     return MambaSpec(
         block_size=caching.interval,
         mamba_cache_mode="align",
         num_prefill_checkpoint_blocks=caching.num_checkpoints,
+        num_speculative_blocks=context.num_speculative_tokens,
         **fields,
     )
 

@@ -16,11 +16,16 @@ into the block of its last token's position when that is another block (the copy
 worker before the forward), and checkpoints every position boundary it crosses on the way
 into that position's block, so each becomes a prefix-cache entry (``kvcore.managers.mamba``).
 
-A request verifying k drafts (speculative decoding, mode "none") holds k more blocks after its
-slot: its tokens are scanned in a pass of their own, one token a chunk, and the state after
-each token but the last is checkpointed into them. Once the drafts are verified
-(``after_sampling``) a request that kept j < k of them takes the state after its known token
-and those j, in block j + 1, as its state; the scheduler's computed count falls back with it.
+A request verifying k drafts (speculative decoding) holds k draft blocks (in mode "none" after
+its slot in its row, in "align" mode beside its table): its tokens are scanned in a pass of
+their own, one token a chunk, and the state after each token but the last is checkpointed
+into them. Once the drafts are verified (``after_sampling``) a request that kept j < k of them
+takes the state after its known token and those j (draft block j + 1) as its state: copied
+into its slot, or in "align" mode into the block of the position that count ends in (the
+step's copy source when the rejected drafts had crossed into a new position; a boundary state
+checkpointed past that count is rewritten when the request crosses it again, and the prefix
+cache only takes states up to the verified count). The scheduler's computed count falls back
+with it.
 """
 
 from __future__ import annotations
@@ -218,8 +223,8 @@ def _tensor(values, dtype: torch.dtype, device) -> torch.Tensor:
 
 class MambaStep(GroupStepBuilder):
     """A Mamba group's step: its metadata, with the states of "align" mode (prefix caching)
-    planned and their copies run before the forward; the Mamba kernels of the serving
-    backend's name."""
+    planned and their copies run before the forward, and the draft states of requests
+    verifying drafts; the Mamba kernels of the serving backend's name."""
 
     def __init__(self, group: GroupContext):
         super().__init__(group)
@@ -228,16 +233,26 @@ class MambaStep(GroupStepBuilder):
         # Tokens between kept states in "align" mode; None: one state per request.
         self.interval = group.spec.block_size if group.spec.mamba_cache_mode == "align" else None
         self._copies: tuple[list[int], list[int]] | None = None
-        # This step's requests with drafts: (state slot, the slot of the state after each of
-        # its tokens but the last), by request id.
-        self._draft_states: dict[str, tuple[int, list[int]]] = {}
+        # "align" mode: each request's draft-state blocks (beside its table).
+        self._draft_blocks: dict[str, list[int]] = {}
+        # This step's requests with drafts: (the block of the state after each of its tokens
+        # but the last, the block a request that keeps j drafts keeps its state in), by id.
+        self._draft_states: dict[str, tuple[list[int], list[int]]] = {}
+
+    def add_request(self, request_id: str, draft_block_ids: list[int]) -> None:
+        if draft_block_ids:
+            self._draft_blocks[request_id] = list(draft_block_ids)
+
+    def remove_request(self, request_id: str) -> None:
+        self._draft_blocks.pop(request_id, None)
 
     def build(self, batch: StepBatch, block_rows: torch.Tensor) -> GroupStep:
         device, num_computed = self.group.device, batch.num_computed
         lens = (batch.query_lens, num_computed, batch.num_prompt_tokens)
+        self._draft_states = {}
         if self.interval is None:
             slots = state_slots(block_rows)
-            checkpoints = self._plan_draft_states(batch, block_rows, slots)
+            checkpoints = self._plan_draft_states(batch, block_rows.tolist(), slots)
             metadata = build_mamba_metadata(
                 *lens,
                 slots,
@@ -247,62 +262,82 @@ class MambaStep(GroupStepBuilder):
                 num_drafts=batch.num_drafts,
             )
             return GroupStep(metadata, self.kernels)
-        plan = plan_align_states(block_rows.tolist(), num_computed, batch.query_lens, self.interval)
+        rows = block_rows.tolist()
+        plan = plan_align_states(rows, num_computed, batch.query_lens, self.interval)
         self._copies = plan.copies if plan.copies[0] else None
+        drafts = self._plan_draft_states(batch, rows, plan.slots)
+        checkpoints = plan.checkpoints
+        if drafts is not None:
+            checkpoints = [[*a, *b] for a, b in zip(plan.checkpoints, drafts, strict=True)]
         metadata = build_mamba_metadata(
             *lens,
             plan.slots,
             device,
-            checkpoints=plan.checkpoints,
+            checkpoints=checkpoints,
             # Checkpoints must fall on chunk ends of the scan.
             chunk_size=math.gcd(self.chunk_size, self.interval),
+            num_drafts=batch.num_drafts,
         )
         return GroupStep(metadata, self.kernels)
 
-    def _plan_draft_states(self, batch: StepBatch, block_rows: torch.Tensor, slots: list[int]):
+    def _plan_draft_states(self, batch: StepBatch, rows: list[list[int]], slots: list[int]):
         """Checkpoints after each token of a request with k drafts but its last (its known
-        token, then every draft but the last), into blocks 1..k of its row: the request's
-        draft states (``MambaSpec.num_speculative_blocks``). None when no request has drafts."""
-        self._draft_states = {}
+        token, then every draft but the last) into its k draft blocks
+        (``MambaSpec.num_speculative_blocks``: in mode "none" blocks 1..k of its row, in
+        "align" mode the ones it holds beside its table), and where the state of each count
+        kept goes. None when no request has drafts."""
         if not any(batch.num_drafts):
             return None
         checkpoints = []
         for index, num_drafts in enumerate(batch.num_drafts):
-            targets = block_rows[index, 1 : num_drafts + 1].tolist() if num_drafts else []
-            if len(targets) < num_drafts or 0 in targets:
+            if not num_drafts:
+                checkpoints.append([])
+                continue
+            request_id = batch.request_ids[index]
+            if self.interval is None:
+                draft_slots = rows[index][1 : num_drafts + 1]
+                keep_in = [slots[index]] * num_drafts
+            else:
+                draft_slots = self._draft_blocks.get(request_id, [])[:num_drafts]
+                # Keeping j drafts leaves done + j + 1 tokens computed: their state belongs
+                # in the block of that count's position.
+                done = batch.num_computed[index]
+                keep_in = [
+                    rows[index][-(-(done + j + 1) // self.interval) - 1] for j in range(num_drafts)
+                ]
+            if len(draft_slots) < num_drafts or 0 in draft_slots or 0 in keep_in:
                 raise ValueError(
-                    f"Request {batch.request_ids[index]}: {num_drafts} drafts, but it holds "
-                    f"{len(targets)} draft states in group {self.group.index}"
+                    f"Request {request_id}: {num_drafts} drafts, but it holds "
+                    f"{len(draft_slots)} draft states in group {self.group.index}"
                 )
-            checkpoints.append([(n, slot) for n, slot in enumerate(targets, start=1)])
-            if num_drafts:
-                self._draft_states[batch.request_ids[index]] = (slots[index], targets)
+            checkpoints.append([(n, slot) for n, slot in enumerate(draft_slots, start=1)])
+            self._draft_states[request_id] = (draft_slots, keep_in)
         return checkpoints
 
     def after_sampling(self, num_accepted: dict[str, int]) -> None:
-        """Undo rejected drafts: a request that kept k of its drafts takes the state after
-        its known token and those k (its draft state k + 1) as its state."""
+        """Undo rejected drafts: a request that kept j of its k drafts takes the state after
+        its known token and those j (its draft state j + 1) as its state; one that kept all
+        has it where the step wrote it."""
         sources, targets = [], []
-        for request_id, (slot, draft_slots) in self._draft_states.items():
+        for request_id, (draft_slots, keep_in) in self._draft_states.items():
             kept = num_accepted[request_id]
             if kept < len(draft_slots):
                 sources.append(draft_slots[kept])
-                targets.append(slot)
+                targets.append(keep_in[kept])
         self._draft_states = {}
+        self._copy(sources, targets)
+
+    def before_forward(self) -> None:
+        """Carry each "align" request's state into the block its step writes."""
+        if self._copies is not None:
+            self._copy(*self._copies)
+            self._copies = None
+
+    def _copy(self, sources: list[int], targets: list[int]) -> None:
+        """Copy whole states from blocks ``sources`` to ``targets`` in every layer."""
         if not sources:
             return
         source_ids = torch.tensor(sources, dtype=torch.int64, device=self.group.device)
         target_ids = torch.tensor(targets, dtype=torch.int64, device=self.group.device)
         for layer in self.group.layers:
             layer.copy_states(source_ids, target_ids)
-
-    def before_forward(self) -> None:
-        """Carry each "align" request's state into the block its step writes."""
-        if self._copies is None:
-            return
-        sources, targets = self._copies
-        source_ids = torch.tensor(sources, dtype=torch.int64, device=self.group.device)
-        target_ids = torch.tensor(targets, dtype=torch.int64, device=self.group.device)
-        for layer in self.group.layers:
-            layer.copy_states(source_ids, target_ids)
-        self._copies = None
