@@ -22,7 +22,7 @@ import triton.language as tl
 from kernels.attention.cache_view import check_kv_cache, check_query_heads
 from kernels.attention.metadata import AttentionMetadata
 from kernels.attention.params import AttentionParams
-from kernels.triton_support import TL_DTYPES, is_interpreted
+from kernels.triton_support import TL_DTYPES, dot_constexprs
 
 LOG2E = tl.constexpr(1.4426950408889634)  # jitted code may only read constexpr globals
 # Rows per program: a small tile keeps decode-heavy batches from idling, a large one gives
@@ -222,7 +222,6 @@ def launch_constexprs(
     qpk_pad = triton.next_power_of_2(queries_per_kv)
     is_prefill_heavy = metadata.max_query_len >= PREFILL_BLOCK_M
     block_m = PREFILL_BLOCK_M if is_prefill_heavy else DECODE_BLOCK_M
-    compute_dtype = tl.float32 if is_interpreted() else TL_DTYPES[kv_cache.dtype]
     return dict(
         QUERIES_PER_KV=queries_per_kv, QPK_PAD=qpk_pad, BLOCK_Q=max(1, block_m // qpk_pad),
         HEAD_SIZE=head_size, HEAD_SIZE_V=head_size_v,
@@ -232,8 +231,7 @@ def launch_constexprs(
         HAS_WINDOW=params.sliding_window is not None,
         HAS_SOFTCAP=params.softcap is not None,
         HAS_SINKS=params.sinks is not None,
-        COMPUTE_DTYPE=compute_dtype,
-        DOT_PRECISION="ieee" if compute_dtype == tl.float32 else "tf32",  # unused for 16-bit
+        **dot_constexprs(kv_cache.dtype),
     )  # fmt: skip
 
 

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels.mla.base import DEFAULT_NUM_SPLITS, as_latent_view, check_decode_args
-from kernels.triton_support import TL_DTYPES, is_interpreted
+from kernels.triton_support import TL_DTYPES, dot_constexprs
 
 LOG2E = 1.4426950408889634
 # Query heads per program: all share every latent load; tl.dot needs 16 rows on GPUs.
@@ -205,7 +205,6 @@ def split_constexprs(
     q_latent: torch.Tensor, q_pe: torch.Tensor, view: torch.Tensor, block_size: int
 ) -> dict[str, object]:
     """The compile-time settings of the split kernel's launch."""
-    compute_dtype = tl.float32 if is_interpreted() else TL_DTYPES[view.dtype]
     return dict(
         LATENT_SIZE=q_latent.shape[-1],
         ROPE_SIZE=q_pe.shape[-1],
@@ -215,8 +214,7 @@ def split_constexprs(
         TILE_N=TILE_N,
         BLOCK_SIZE=block_size,
         KERNEL_BLOCK_SIZE=view.shape[2],
-        COMPUTE_DTYPE=compute_dtype,
-        DOT_PRECISION="ieee" if compute_dtype == tl.float32 else "tf32",  # unused for 16-bit
+        **dot_constexprs(view.dtype),
     )
 
 

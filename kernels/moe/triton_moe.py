@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels.moe.reference import ACTIVATIONS, GATED_SILU, ExpertKind
-from kernels.triton_support import TL_DTYPES, is_interpreted
+from kernels.triton_support import dot_constexprs
 
 BLOCK_M = 16  # pairs per row block: tl.dot needs 16 rows on GPUs
 BLOCK_N = 64
@@ -214,13 +214,4 @@ def fused_experts(
 
 
 def _constexprs(dtype: torch.dtype) -> dict:
-    # Products in the weights' dtype on GPUs (fp32 products take the exact ieee path); fp32
-    # under the interpreter, which has no bf16 dot.
-    compute = tl.float32 if is_interpreted() else TL_DTYPES[dtype]
-    return dict(
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
-        COMPUTE_DTYPE=compute,
-        DOT_PRECISION="ieee" if compute == tl.float32 else "tf32",  # unused for 16-bit
-    )
+    return dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, **dot_constexprs(dtype))

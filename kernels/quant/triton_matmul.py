@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.quant.gguf_blocks import BLOCK, Q4, QuantizedMatrix
-from kernels.triton_support import TL_DTYPES, is_interpreted
+from kernels.triton_support import TL_DTYPES, dot_constexprs
 
 BLOCK_N = 64
 BLOCK_K = 2 * BLOCK  # two GGUF blocks per step of the K loop
@@ -110,11 +110,4 @@ def quantized_linear(
 
 
 def _constexprs(dtype: torch.dtype) -> dict:
-    # Products in x's dtype on GPUs; float32 under the interpreter, which has no bf16 dot.
-    compute = tl.float32 if is_interpreted() else TL_DTYPES[dtype]
-    return dict(
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
-        COMPUTE_DTYPE=compute,
-        DOT_PRECISION="ieee" if compute == tl.float32 else "tf32",  # unused for 16-bit
-    )
+    return dict(BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, **dot_constexprs(dtype))
