@@ -422,7 +422,7 @@ def test_quantization_that_cannot_be_served_is_refused_by_name(quantized_files):
     assert keeps_quantized(None, is_gguf=True, device=cpu, dtype=torch.float32)
     # GPU workers keep the blocks at any activation dtype (the Triton kernel).
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        assert keeps_quantized(None, is_gguf=True, device=torch.device("cuda"), dtype=dtype)
+        assert keeps_quantized(None, is_gguf=True, device=torch.device("cuda", 0), dtype=dtype)
     _, path = quantized_files["all"]
     worker = Worker(0, WorkerOptions(model=str(path), dtype="bfloat16", quantization="gguf"))
     worker.init_tp_group(None)
