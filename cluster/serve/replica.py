@@ -11,6 +11,7 @@ it reports to the routers what its cache holds (``routing_stats``)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from ray.util.placement_group import get_current_placement_group
@@ -78,7 +79,8 @@ class EngineReplica:
 
     async def __del__(self) -> None:
         await self.engine.stop()
-        self.transport.close()
+        # A compiled graph's teardown blocks on its ranks: off the event loop.
+        await asyncio.get_running_loop().run_in_executor(None, self.transport.close)
 
 
 def routing_stats(engine, kv_config, plan: bytes) -> dict:

@@ -252,7 +252,7 @@ class MambaStep(GroupStepBuilder):
         self._draft_states = {}
         if self.interval is None:
             slots = state_slots(block_rows)
-            checkpoints = self._plan_draft_states(batch, block_rows.tolist(), slots)
+            checkpoints = self._plan_draft_states(batch, block_rows, slots)
             metadata = build_mamba_metadata(
                 *lens,
                 slots,
@@ -265,7 +265,7 @@ class MambaStep(GroupStepBuilder):
         rows = block_rows.tolist()
         plan = plan_align_states(rows, num_computed, batch.query_lens, self.interval)
         self._copies = plan.copies if plan.copies[0] else None
-        drafts = self._plan_draft_states(batch, rows, plan.slots)
+        drafts = self._plan_draft_states(batch, block_rows, plan.slots)
         checkpoints = plan.checkpoints
         if drafts is not None:
             checkpoints = [[*a, *b] for a, b in zip(plan.checkpoints, drafts, strict=True)]
@@ -280,7 +280,7 @@ class MambaStep(GroupStepBuilder):
         )
         return GroupStep(metadata, self.kernels)
 
-    def _plan_draft_states(self, batch: StepBatch, rows: list[list[int]], slots: list[int]):
+    def _plan_draft_states(self, batch: StepBatch, block_rows: torch.Tensor, slots: list[int]):
         """Checkpoints after each token of a request with k drafts but its last (its known
         token, then every draft but the last) into its k draft blocks
         (``MambaSpec.num_speculative_blocks``: in mode "none" blocks 1..k of its row, in
@@ -288,6 +288,7 @@ class MambaStep(GroupStepBuilder):
         kept goes. None when no request has drafts."""
         if not any(batch.num_drafts):
             return None
+        rows = block_rows.tolist()  # only for steps with drafts: the table is [R, W]
         checkpoints = []
         for index, num_drafts in enumerate(batch.num_drafts):
             if not num_drafts:
