@@ -43,7 +43,8 @@ def test_blocks_hold_what_gguf_reads(type_name):
 
 @pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("num_rows", [1, 3, 8, 9, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 5])
-def test_products_equal_float64_with_the_dequantized_weight(type_name, num_rows):
+def test_products_equal_float64_with_the_dequantized_weight(type_name, num_rows, monkeypatch):
+    monkeypatch.setattr(cpu_matmul, "INT16_MAX_ROWS", 0)  # the float path at every row count
     matrix, weight = gguf_matrix(type_name, 75, 160, seed=num_rows)  # odd rows: a lone last row
     generator = torch.Generator().manual_seed(num_rows)
     x = torch.randn(num_rows, 160, generator=generator)
@@ -54,6 +55,42 @@ def test_products_equal_float64_with_the_dequantized_weight(type_name, num_rows)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
 
 
+def int16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as the integer path holds it: per 32-value block, float32 ``32767 / max|x|`` times
+    x rounded half to even, and the block scales ``max|x| / 32767``."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    largest = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(largest > 0, torch.tensor(32767.0) / largest, torch.zeros(()))
+    return torch.round(blocks * inverse), largest / torch.tensor(32767.0)
+
+
+@pytest.mark.skipif(not cpu_matmul.has_int16_path(), reason="the integer path needs AVX2")
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("num_rows", [1, cpu_matmul.INT16_MAX_ROWS])
+def test_the_integer_path_is_the_product_of_int16_activations(type_name, num_rows):
+    """At a row or two x is rounded to int16 per block: the products equal float64 ones of
+    the rounded activations, and those of x itself within the rounding's bound (half a step
+    per value times the weight's magnitude)."""
+    matrix, weight = gguf_matrix(type_name, 75, 160, seed=7 + num_rows)
+    x = torch.randn(num_rows, 160, generator=torch.Generator().manual_seed(num_rows)) * 3
+    assert cpu_matmul.matmul_function(num_rows) == cpu_matmul.kernel().gguf_matmul_int16
+    got = quantized_linear(x, matrix).double()
+    q, scales = int16_rows(x)
+    rounded = (q.double() * scales.double()).reshape(x.shape)
+    # A 4-bit block's minimum multiplies the float sum of x:
+    # sum(x (d q + m)) = d sum(x q) + m sum(x)
+    minimum = torch.zeros_like(weight, dtype=torch.float64)
+    if matrix.kind == "q4":
+        minimum = matrix.mins.double().repeat_interleave(32, dim=1)
+    expected = rounded @ (weight.double() - minimum).T + x.double() @ minimum.T
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    exact = x.double() @ weight.double().T
+    steps = scales.expand(-1, -1, 32).reshape(x.shape).double() / 2
+    bound = steps @ (weight.double() - minimum).abs().T + 1e-4
+    assert ((got - exact).abs() <= bound).all()
+    assert (got - exact).abs().max() > 0  # the rounding is there: this is not the float path
+
+
 def test_leading_dimensions_and_strided_rows_are_kept():
     matrix, weight = gguf_matrix("Q4_1", 33, 64)
     x = torch.randn(2, 3, 128)[..., :64]  # rows with a stride past their length
@@ -61,7 +98,8 @@ def test_leading_dimensions_and_strided_rows_are_kept():
 
 
 @pytest.mark.parametrize("type_name", TYPES)
-def test_narrowed_rows_and_block_columns_are_the_same_slices(type_name):
+def test_narrowed_rows_and_block_columns_are_the_same_slices(type_name, monkeypatch):
+    monkeypatch.setattr(cpu_matmul, "INT16_MAX_ROWS", 0)  # float32 exactness below
     matrix, weight = gguf_matrix(type_name, 12, 128)
     rows = matrix.narrow(0, 3, 5)
     torch.testing.assert_close(rows.dequantize(), weight[3:8], rtol=0, atol=0)

@@ -81,27 +81,31 @@ def run_in_process(options: WorkerOptions, layout: str, batches, *, chunk: int):
     return run_requests(start_worker(options, layout), batches, chunk=chunk)
 
 
-def _rank_main(rank, options, layout, batches, chunk, address, queue):
+def _rank_main(rank, options, layout, batches, chunk, address, queue, probe):
     try:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         worker = start_worker(options, layout, rank=rank, init_method=address)
         outputs = run_requests(worker, batches, chunk=chunk)
+        probed = None if probe is None else probe(worker)
         worker.shutdown()
-        queue.put((rank, outputs, None))
+        queue.put((rank, (outputs, probed), None))
     except BaseException:  # report it to the parent instead of hanging it
         queue.put((rank, None, traceback.format_exc()))
 
 
 def run_tensor_parallel(
-    options: WorkerOptions, layout: str, batches, *, chunk: int, timeout: float = 600
+    options: WorkerOptions, layout: str, batches, *, chunk: int, timeout: float = 600, probe=None
 ):
-    """Every rank in its own process; returns rank 0's outputs after checking all agree."""
+    """Every rank in its own process; returns rank 0's outputs after checking all agree.
+    With ``probe`` (a module-level function of the finished worker), returns the outputs and
+    every rank's probe result."""
     context = mp.get_context("spawn")
     queue = context.Queue()
     address = pick_rendezvous()
     ranks = [
         context.Process(
-            target=_rank_main, args=(rank, options, layout, batches, chunk, address, queue)
+            target=_rank_main,
+            args=(rank, options, layout, batches, chunk, address, queue, probe),
         )
         for rank in range(options.tensor_parallel_size)
     ]
@@ -119,5 +123,7 @@ def run_tensor_parallel(
             process.join(timeout=30)
             if process.is_alive():
                 process.kill()
-    assert all(outputs == results[0] for outputs in results.values()), "ranks disagree"
-    return results[0]
+    assert all(outputs == results[0][0] for outputs, _ in results.values()), "ranks disagree"
+    if probe is None:
+        return results[0][0]
+    return results[0][0], [results[rank][1] for rank in sorted(results)]

@@ -22,6 +22,7 @@ from workers.layers.moe import SparseMoE, expert_checkpoint_target
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
 from workers.model_config import ModelConfig
+from workers.models.llama_cpu_decode import CpuDecodePath
 
 
 class LlamaAttention(nn.Module):
@@ -124,12 +125,19 @@ class LlamaModel(nn.Module):
             self.layer_class(config, i, dtype, rotary_emb) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self._cpu_decode: CpuDecodePath | bool | None = False  # False: not looked at yet
 
     @staticmethod
     def rotary_embedding(config: ModelConfig) -> RotaryEmbedding:
         return RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self._cpu_decode is False:  # at the first step, once the weights are in place
+            self._cpu_decode = CpuDecodePath.for_model(self)
+        if self._cpu_decode is not None:
+            hidden = self._cpu_decode.forward(token_ids, positions)
+            if hidden is not None:
+                return hidden
         hidden = self.embed_tokens(token_ids)  # [T, hidden]
         for layer in self.layers:
             hidden = layer(positions, hidden)

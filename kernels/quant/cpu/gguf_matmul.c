@@ -19,6 +19,7 @@
  * resolves libgomp to the one torch has loaded).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -226,6 +227,152 @@ int gguf_matmul(const QMatmulArgs *a) {
     }
     return 0;
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+/*
+ * The integer path (AVX2): each 32-value block of an x row is held as int16 with its own
+ * scale (s = max|x| / 32767, an error of at most s / 2 per value: 15 significant bits, where
+ * llama.cpp's 8-bit activations keep 7), so a block's products are exact integer
+ * multiply-adds (vpmaddwd) and one float multiply by the two scales. At a few rows this does
+ * half the instructions of expanding every weight to float32. Q4's minimum enters through
+ * the block's float sum of x: sum(x * (d q + m)) = d sum(x q) + m sum(x).
+ */
+typedef struct {
+    int16_t *q;   /* [M, K] */
+    float *scale; /* [M, K / 32] */
+    float *sum;   /* [M, K / 32], float sums of the unrounded values */
+} Int16Rows;
+
+static void quantize_rows(const QMatmulArgs *a, const Int16Rows *x16) {
+    int64_t blocks = a->k / BLOCK;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < a->m; i++) {
+        for (int64_t b = 0; b < blocks; b++) {
+            const float *x = a->x + i * a->stride_x + b * BLOCK;
+            __m256 v[4], top = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+            for (int j = 0; j < 4; j++) {
+                v[j] = _mm256_loadu_ps(x + 8 * j);
+                top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[j]));
+                total = _mm256_add_ps(total, v[j]);
+            }
+            __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+            t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+            float largest = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+            int16_t *q = x16->q + i * a->k + b * BLOCK;
+            x16->sum[i * blocks + b] = sum_avx2(total);
+            x16->scale[i * blocks + b] = largest / 32767.0f;
+            __m256 inverse = _mm256_set1_ps(largest > 0.0f ? 32767.0f / largest : 0.0f);
+            for (int j = 0; j < 4; j += 2) {
+                __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse));
+                __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], inverse));
+                /* packs works per 128-bit lane: put the four quarters back in order */
+                __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
+                _mm256_storeu_si256((__m256i *)(q + 8 * j), packed);
+            }
+        }
+    }
+}
+
+/* Block b of row n of W as int16: weights 0-15 and 16-31. */
+static inline void widen_block(const QMatmulArgs *a, int64_t n, int64_t b, __m256i *lo, __m256i *hi) {
+    if (a->kind == KIND_Q4) {
+        __m128i bytes = _mm_loadu_si128((const __m128i *)(a->qs + n * (a->k / 2) + b * 16));
+        __m256i wide = _mm256_cvtepu8_epi16(bytes);
+        *lo = _mm256_and_si256(wide, _mm256_set1_epi16(15));
+        *hi = _mm256_srli_epi16(wide, 4);
+    } else {
+        const int8_t *q = (const int8_t *)a->qs + n * a->k + b * BLOCK;
+        *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
+        *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
+    }
+}
+
+/* The eight int32 lanes of each of v[0..7] summed: lane j of the result is v[j]'s sum. */
+static inline __m256i lane_sums8(const __m256i v[8]) {
+    __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
+    __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
+    __m256i h0123 = _mm256_hadd_epi32(h01, h23), h4567 = _mm256_hadd_epi32(h45, h67);
+    /* each 128-bit half now holds four partial sums: add the halves */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(h0123, h4567, 0x20),
+                            _mm256_permute2x128_si256(h0123, h4567, 0x31));
+}
+
+/* Block b of W row n times block b of an int16 x row: eight int32 partial sums. */
+static inline __m256i block_sums(const QMatmulArgs *a, int64_t n, int64_t b, const int16_t *x) {
+    __m256i w_lo, w_hi;
+    widen_block(a, n, b, &w_lo, &w_hi);
+    __m256i x_lo = _mm256_loadu_si256((const __m256i *)(x + b * BLOCK));
+    __m256i x_hi = _mm256_loadu_si256((const __m256i *)(x + b * BLOCK + 16));
+    return _mm256_add_epi32(_mm256_madd_epi16(w_lo, x_lo), _mm256_madd_epi16(w_hi, x_hi));
+}
+
+/* Row n of W against int16 row i of x. Blocks go eight at a time: their exact integer sums
+ * gathered in one vector meet eight scales at once (converted from float16 together), so a
+ * block costs its multiply-adds and an eighth of the float work. */
+static float int16_row_dot(const QMatmulArgs *a, const Int16Rows *x16, int64_t n, int64_t i) {
+    int64_t blocks = a->k / BLOCK;
+    const int16_t *x = x16->q + i * a->k;
+    const float *x_scale = x16->scale + i * blocks, *x_sum = x16->sum + i * blocks;
+    const uint16_t *d = a->scales + n * blocks;
+    const uint16_t *mins = a->kind == KIND_Q4 ? a->mins + n * blocks : NULL;
+    __m256 acc = _mm256_setzero_ps(), acc_min = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= blocks; b += 8) {
+        __m256i sums[8];
+        for (int j = 0; j < 8; j++) sums[j] = block_sums(a, n, b + j, x);
+        __m256 w_scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b)));
+        __m256 scale = _mm256_mul_ps(w_scale, _mm256_loadu_ps(x_scale + b));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lane_sums8(sums)), scale, acc);
+        if (mins != NULL) {
+            __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + b)));
+            acc_min = _mm256_fmadd_ps(m, _mm256_loadu_ps(x_sum + b), acc_min);
+        }
+    }
+    float out = sum_avx2(acc) + sum_avx2(acc_min);
+    for (; b < blocks; b++) {
+        __m256i v = block_sums(a, n, b, x);
+        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        h = _mm_hadd_epi32(h, h);
+        h = _mm_hadd_epi32(h, h);
+        out += half_to_float(d[b]) * x_scale[b] * (float)_mm_cvtsi128_si32(h);
+        if (mins != NULL) out += half_to_float(mins[b]) * x_sum[b];
+    }
+    return out;
+}
+
+int gguf_matmul_int16(const QMatmulArgs *a) {
+    if (a->k % BLOCK != 0) return 1;
+    if (a->kind != KIND_Q4 && a->kind != KIND_Q8) return 2;
+    int64_t blocks = a->k / BLOCK;
+    Int16Rows x16;
+    x16.q = malloc((size_t)(a->m * a->k) * sizeof(int16_t));
+    x16.scale = malloc((size_t)(a->m * blocks) * 2 * sizeof(float));
+    if (x16.q == NULL || x16.scale == NULL) {
+        free(x16.q);
+        free(x16.scale);
+        return 3;
+    }
+    x16.sum = x16.scale + a->m * blocks;
+    quantize_rows(a, &x16);
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < a->n; n++) {
+        for (int64_t i = 0; i < a->m; i++) a->y[i * a->stride_y + n] = int16_row_dot(a, &x16, n, i);
+    }
+    free(x16.q);
+    free(x16.scale);
+    return 0;
+}
+
+int gguf_has_int16(void) { return 1; }
+#else
+int gguf_matmul_int16(const QMatmulArgs *a) {
+    (void)a;
+    return 4; /* no AVX2 here: the caller keeps the float path */
+}
+
+int gguf_has_int16(void) { return 0; }
+#endif
 
 /* W as float32 [N, K] into out (for products of many rows, which a float GEMM does faster). */
 int gguf_dequantize(const QMatmulArgs *a, float *out) {

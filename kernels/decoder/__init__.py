@@ -1,0 +1,1 @@
+"""Whole decoder layers as C kernels for small-batch decode on CPUs."""

@@ -1,0 +1,204 @@
+/*
+ * One decode step of a Llama-style decoder layer on CPUs, in two calls: the attention block
+ * (residual add, RMSNorm, QKV projection, rotary embedding, the cache write, paged attention,
+ * the output projection) and the MLP block (residual add, RMSNorm, gate-up projection,
+ * SiLU(gate) * up, the down projection).
+ *
+ * Why C: a decode step of a small model is some seventy torch ops per layer on rows of a few
+ * hundred floats, each costing more to dispatch than to compute (SmolLM2: ~24 ms of a 45 ms
+ * step on two cores). Here the glue runs in plain loops and the heavy parts call the GGUF
+ * matmul (kernels/quant/cpu/gguf_matmul.c) and the paged decode attention
+ * (kernels/attention/cpu/paged_decode.c) through function pointers the caller hands over, so
+ * each kernel stays in its own library. A tensor-parallel caller all-reduces `delta` between
+ * the two calls; the sums stay in the same order as the torch layers' (residual + delta).
+ *
+ * Activations are float32 throughout; the KV cache view is float32 with unit channel stride
+ * (kernels/decoder/cpu_decoder.py checks both before it takes a step).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct { /* kernels/quant/cpu/gguf_matmul.c */
+    const float *x;
+    int64_t stride_x;
+    float *y;
+    int64_t stride_y;
+    const uint8_t *qs;
+    const uint16_t *scales;
+    const uint16_t *mins;
+    int64_t m, n, k;
+    int kind;
+} QMatmulArgs;
+
+typedef struct { /* kernels/attention/cpu/paged_decode.c */
+    const float *query;
+    float *out;
+    const char *cache;
+    int64_t stride_cb, stride_ch, stride_cn, stride_cc;
+    int dtype;
+    const int32_t *block_table;
+    int64_t stride_bt;
+    const int32_t *seq_lens;
+    const int32_t *token_of;
+    const float *sinks;
+    int num_q_heads, num_kv_heads, head_size, head_size_v;
+    int block_size, kernel_block_size;
+    int sliding_window;
+    float scale, softcap;
+    const int64_t *items;
+    int64_t begin, end;
+} DecodeArgs;
+
+typedef int (*MatmulFn)(const QMatmulArgs *);
+typedef int (*AttentionFn)(DecodeArgs *, const int64_t *, int);
+
+typedef struct {
+    const uint8_t *qs;
+    const uint16_t *scales;
+    const uint16_t *mins;
+    int64_t n, k;
+    int kind;
+    const float *bias; /* [n] or NULL */
+} QWeight;
+
+typedef struct { /* fixed for the model */
+    int64_t hidden, num_heads, num_kv_heads, head_size, intermediate;
+    float eps;
+    MatmulFn matmul, matmul_int16;
+    int64_t int16_max_rows; /* rows up to which matmul_int16 is the faster */
+    AttentionFn attention;
+} DecoderModel;
+
+typedef struct { /* fixed for a layer while its cache is bound */
+    const float *input_norm, *post_norm;
+    QWeight qkv, o, gate_up, down;
+    float *cache; /* the layer's [B, H, N, C] view */
+    int64_t stride_cb, stride_ch, stride_cn;
+    int kernel_block_size;
+} DecoderLayer;
+
+typedef struct { /* one step */
+    int64_t rows;
+    float *residual;        /* [T, hidden]: the stream, the embeddings at first */
+    float *delta;           /* [T, hidden]: a block's output, added to the stream next */
+    int has_delta;          /* 0 before the first block */
+    float *normed;          /* [T, hidden] */
+    float *qkv;             /* [T, (Hq + 2 Hk) D] */
+    float *query;           /* [T, Hq D] rotated */
+    float *attended;        /* [T, Hq D] */
+    float *gate_up;         /* [T, 2 I] */
+    float *activated;       /* [T, I] */
+    const float *cos, *sin; /* [T, D] */
+    const int64_t *slots;   /* [T] */
+    DecodeArgs attention;   /* the step's metadata; query, out and cache are set per layer */
+    const int64_t *bounds;
+    int num_threads;
+} DecoderStep;
+
+static int project(const DecoderModel *m, const QWeight *w, const float *x, float *y,
+                   int64_t rows) {
+    QMatmulArgs args = {x, w->k, y, w->n, w->qs, w->scales, w->mins, rows, w->n, w->k, w->kind};
+    int use_int16 = m->matmul_int16 != NULL && rows <= m->int16_max_rows;
+    int code = (use_int16 ? m->matmul_int16 : m->matmul)(&args);
+    if (code != 0) return code;
+    if (w->bias != NULL) {
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t j = 0; j < w->n; j++) y[r * w->n + j] += w->bias[j];
+    }
+    return 0;
+}
+
+/* residual += delta (when there is one); normed = RMSNorm(residual) * weight. */
+static void add_and_norm(const DecoderModel *m, DecoderStep *s, const float *weight) {
+    int64_t h = m->hidden;
+    for (int64_t r = 0; r < s->rows; r++) {
+        float *x = s->residual + r * h;
+        if (s->has_delta) {
+            const float *d = s->delta + r * h;
+            for (int64_t j = 0; j < h; j++) x[j] += d[j];
+        }
+        float lanes[8] = {0};
+        int64_t j = 0;
+        for (; j + 8 <= h; j += 8)
+            for (int l = 0; l < 8; l++) lanes[l] += x[j + l] * x[j + l];
+        float squares = 0.0f;
+        for (int l = 0; l < 8; l++) squares += lanes[l];
+        for (; j < h; j++) squares += x[j] * x[j];
+        float inverse = 1.0f / sqrtf(squares / (float)h + m->eps);
+        float *out = s->normed + r * h;
+        for (j = 0; j < h; j++) out[j] = x[j] * inverse * weight[j];
+    }
+    s->has_delta = 0;
+}
+
+/* The half-split rotation of one head: (a, b) -> (a cos - b sin, b cos + a sin). */
+static inline void rotate(const float *x, float *out, const float *cos, const float *sin,
+                          int64_t d) {
+    int64_t half = d / 2;
+    for (int64_t j = 0; j < half; j++) {
+        float a = x[j], b = x[j + half];
+        out[j] = a * cos[j] - b * sin[j];
+        out[j + half] = b * cos[j + half] + a * sin[j + half];
+    }
+}
+
+/* Rotated queries to s->query; rotated keys and the values into their cache slots. */
+static void rotate_and_store(const DecoderModel *m, const DecoderLayer *l, DecoderStep *s) {
+    int64_t d = m->head_size, q_width = m->num_heads * d, kv_width = m->num_kv_heads * d;
+    int64_t width = q_width + 2 * kv_width;
+    for (int64_t r = 0; r < s->rows; r++) {
+        const float *row = s->qkv + r * width, *cos = s->cos + r * d, *sin = s->sin + r * d;
+        for (int64_t head = 0; head < m->num_heads; head++)
+            rotate(row + head * d, s->query + r * q_width + head * d, cos, sin, d);
+        int64_t slot = s->slots[r];
+        float *cells = l->cache + (slot / l->kernel_block_size) * l->stride_cb
+                       + (slot % l->kernel_block_size) * l->stride_cn;
+        for (int64_t head = 0; head < m->num_kv_heads; head++) {
+            float *cell = cells + head * l->stride_ch;
+            rotate(row + q_width + head * d, cell, cos, sin, d);
+            memcpy(cell + d, row + q_width + kv_width + head * d, (size_t)d * sizeof(float));
+        }
+    }
+}
+
+int attention_block(const DecoderModel *m, const DecoderLayer *l, DecoderStep *s) {
+    add_and_norm(m, s, l->input_norm);
+    int code = project(m, &l->qkv, s->normed, s->qkv, s->rows);
+    if (code != 0) return code;
+    rotate_and_store(m, l, s);
+    DecodeArgs args = s->attention;
+    args.query = s->query;
+    args.out = s->attended;
+    args.cache = (const char *)l->cache;
+    args.stride_cb = l->stride_cb;
+    args.stride_ch = l->stride_ch;
+    args.stride_cn = l->stride_cn;
+    args.stride_cc = 1;
+    args.kernel_block_size = l->kernel_block_size;
+    if (m->attention(&args, s->bounds, s->num_threads) != 0) return 10;
+    code = project(m, &l->o, s->attended, s->delta, s->rows);
+    s->has_delta = 1;
+    return code;
+}
+
+int mlp_block(const DecoderModel *m, const DecoderLayer *l, DecoderStep *s) {
+    add_and_norm(m, s, l->post_norm);
+    int code = project(m, &l->gate_up, s->normed, s->gate_up, s->rows);
+    if (code != 0) return code;
+    int64_t inter = m->intermediate;
+    for (int64_t r = 0; r < s->rows; r++) {
+        const float *gate = s->gate_up + r * 2 * inter, *up = gate + inter;
+        float *out = s->activated + r * inter;
+        for (int64_t j = 0; j < inter; j++) out[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+    }
+    code = project(m, &l->down, s->activated, s->delta, s->rows);
+    s->has_delta = 1;
+    return code;
+}
+
+/* The model's last norm: residual += delta; normed = RMSNorm(residual) * weight. */
+int final_norm(const DecoderModel *m, const float *weight, DecoderStep *s) {
+    add_and_norm(m, s, weight);
+    return 0;
+}

@@ -1,0 +1,126 @@
+"""The C decoder-layer kernels (``kernels/decoder/cpu/decoder_layer.c``) through ctypes: the
+structures they read, mirrored field for field, and the library, built at first use like the
+other CPU kernels. The GGUF matmul and the paged decode attention stay in their own libraries;
+their entry points are handed over in ``DecoderModel``."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+from kernels.attention.cpu_attention import DecodeArgs, decode_kernel
+from kernels.c_build import build_library
+from kernels.quant import cpu_matmul
+from kernels.quant.gguf_blocks import Q4, QuantizedMatrix
+
+logger = logging.getLogger(__name__)
+SOURCE = Path(__file__).parent / "cpu" / "decoder_layer.c"
+_ptr = ctypes.c_void_p
+
+
+class QWeight(ctypes.Structure):
+    _fields_ = [
+        ("qs", _ptr),
+        ("scales", _ptr),
+        ("mins", _ptr),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("kind", ctypes.c_int),
+        ("bias", _ptr),
+    ]
+
+
+class DecoderModel(ctypes.Structure):
+    _fields_ = [
+        ("hidden", ctypes.c_int64),
+        ("num_heads", ctypes.c_int64),
+        ("num_kv_heads", ctypes.c_int64),
+        ("head_size", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("matmul", _ptr),
+        ("matmul_int16", _ptr),
+        ("int16_max_rows", ctypes.c_int64),
+        ("attention", _ptr),
+    ]
+
+
+class DecoderLayer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _ptr),
+        ("post_norm", _ptr),
+        ("qkv", QWeight),
+        ("o", QWeight),
+        ("gate_up", QWeight),
+        ("down", QWeight),
+        ("cache", _ptr),
+        ("stride_cb", ctypes.c_int64),
+        ("stride_ch", ctypes.c_int64),
+        ("stride_cn", ctypes.c_int64),
+        ("kernel_block_size", ctypes.c_int),
+    ]
+
+
+class DecoderStep(ctypes.Structure):
+    _fields_ = [
+        ("rows", ctypes.c_int64),
+        ("residual", _ptr),
+        ("delta", _ptr),
+        ("has_delta", ctypes.c_int),
+        ("normed", _ptr),
+        ("qkv", _ptr),
+        ("query", _ptr),
+        ("attended", _ptr),
+        ("gate_up", _ptr),
+        ("activated", _ptr),
+        ("cos", _ptr),
+        ("sin", _ptr),
+        ("slots", _ptr),
+        ("attention", DecodeArgs),
+        ("bounds", _ptr),
+        ("num_threads", ctypes.c_int),
+    ]
+
+
+@functools.cache
+def decoder_library():
+    """The compiled library with the GGUF matmul and the decode attention it calls, or None
+    where any of the three cannot be built here."""
+    if cpu_matmul.kernel() is None or decode_kernel() is None:
+        return None
+    try:
+        library = ctypes.CDLL(str(build_library(SOURCE, ())))
+    except OSError as exc:
+        logger.warning("CPU decoder-layer kernel unavailable (%s)", exc)
+        return None
+    arguments = [
+        ctypes.POINTER(DecoderModel),
+        ctypes.POINTER(DecoderLayer),
+        ctypes.POINTER(DecoderStep),
+    ]
+    for name in ("attention_block", "mlp_block"):
+        function = getattr(library, name)
+        function.argtypes, function.restype = arguments, ctypes.c_int
+    library.final_norm.argtypes = [ctypes.POINTER(DecoderModel), _ptr, ctypes.POINTER(DecoderStep)]
+    library.final_norm.restype = ctypes.c_int
+    return library
+
+
+def entry_point(function) -> int:
+    """A ctypes function's address, for the C side to call."""
+    return ctypes.cast(function, _ptr).value
+
+
+def qweight(matrix: QuantizedMatrix, bias=None) -> QWeight:
+    n, k = matrix.shape
+    return QWeight(
+        qs=matrix.qs.data_ptr(),
+        scales=matrix.scales.data_ptr(),
+        mins=matrix.mins.data_ptr() if matrix.kind == Q4 else None,
+        n=n,
+        k=k,
+        kind=cpu_matmul.KIND_CODES[matrix.kind],
+        bias=None if bias is None else bias.data_ptr(),
+    )

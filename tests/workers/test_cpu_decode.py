@@ -1,0 +1,154 @@
+"""The C decoder-layer path (``workers.models.llama_cpu_decode``) takes the decode steps of a
+Llama whose projections are kept in GGUF blocks, and each of its steps gives the hidden states
+the torch modules give for the same step; a step or a model it cannot serve goes through the
+modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import quantize
+from safetensors.torch import load_file
+
+from kernels.quant.gguf_blocks import QuantizedMatrix
+from tests.workers.engine import (
+    KV_CACHE_MEMORY,
+    run_requests,
+    run_tensor_parallel,
+    start_worker,
+    tiny_model_options,
+)
+from tests.workers.hf_models import PROMPTS, reference_generations, save_model
+from tests.workers.test_gguf import ALL_QUANTIZED, MIXED, write_gguf
+from workers.models.llama_cpu_decode import CpuDecodePath
+from workers.worker import WorkerOptions
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cpu-decode")
+    files = {}
+    for name, types in (("all", ALL_QUANTIZED), ("mixed", MIXED)):
+        hf_dir = save_model("llama", root / f"hf-{name}")
+        write_gguf(hf_dir, root / f"{name}.gguf", types)
+        files[name] = (hf_dir, root / f"{name}.gguf")
+    return files
+
+
+@pytest.fixture
+def compared_steps(monkeypatch):
+    """Every step the path takes is run again through the modules and the two hidden states
+    compared; the modules' result is what the step returns. Yields the list of row counts
+    compared."""
+    taken = CpuDecodePath.forward
+    rows = []
+
+    def checked(self, token_ids, positions):
+        fused = taken(self, token_ids, positions)
+        if fused is None:
+            return None
+        model = self.model
+        model._cpu_decode = None
+        try:
+            modules = model(token_ids, positions)
+        finally:
+            model._cpu_decode = self
+        torch.testing.assert_close(fused, modules, rtol=2e-3, atol=2e-3)
+        rows.append(token_ids.shape[0])
+        return modules
+
+    monkeypatch.setattr(CpuDecodePath, "forward", checked)
+    return rows
+
+
+def gguf_options(path, **extra) -> WorkerOptions:
+    return WorkerOptions(
+        model=str(path), block_size=4, kv_cache_memory_bytes=KV_CACHE_MEMORY, dtype="float32",
+        **extra,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BHLNC"])
+def test_decode_steps_go_through_the_c_layers_and_equal_transformers(
+    gguf_files, compared_steps, layout
+):
+    hf_dir, path = gguf_files["all"]
+    worker = start_worker(gguf_options(path), layout)
+    requests = [(f"r{i}", prompt, 12, None) for i, prompt in enumerate(PROMPTS)]
+    outputs = run_requests(worker, [requests], chunk=7)
+    assert [outputs[f"r{i}"] for i in range(len(PROMPTS))] == reference_generations(
+        hf_dir, PROMPTS, 12
+    )
+    path_taken = worker.model.model._cpu_decode
+    assert isinstance(path_taken, CpuDecodePath)
+    # Steps of 3, 2 and 1 rows: the float kernel and the int16 one (at most 2 rows).
+    assert {1, 2, 3} <= set(compared_steps), compared_steps
+    assert path_taken.num_steps == len(compared_steps)
+
+
+def test_after_a_prefix_hit_and_a_second_batch_the_tokens_stay_exact(gguf_files):
+    hf_dir, path = gguf_files["all"]
+    worker = start_worker(gguf_options(path), "LBNHC")
+    first = [("a", PROMPTS[2], 8, None)]
+    second = [("b", [*PROMPTS[2][:20], 7, 8, 9], 8, "a"), ("c", PROMPTS[0], 8, None)]
+    outputs = run_requests(worker, [first, second], chunk=64)
+    expected = reference_generations(hf_dir, [PROMPTS[2], second[0][1], PROMPTS[0]], 8)
+    assert [outputs["a"], outputs["b"], outputs["c"]] == expected
+    assert worker.model.model._cpu_decode.num_steps > 0
+
+
+def rank_steps(worker) -> int:
+    return worker.model.model._cpu_decode.num_steps
+
+
+def test_two_ranks_reduce_between_the_c_blocks(gguf_files):
+    hf_dir, path = gguf_files["all"]
+    batch = [[(f"r{i}", prompt, 10, None) for i, prompt in enumerate(PROMPTS[:2])]]
+    outputs, steps = run_tensor_parallel(
+        gguf_options(path, tensor_parallel_size=2), "BLHNC", batch, chunk=5, probe=rank_steps
+    )
+    assert [outputs["r0"], outputs["r1"]] == reference_generations(hf_dir, PROMPTS[:2], 10)
+    assert min(steps) > 0 and len(set(steps)) == 1, steps
+
+
+def test_models_the_c_layers_cannot_compute_go_through_the_modules(gguf_files):
+    # Fused QKV and gate-up of mixed types are dequantized (workers.quantization).
+    mixed = start_worker(gguf_options(gguf_files["mixed"][1]), "LBNHC")
+    dense = start_worker(gguf_options(gguf_files["all"][1], quantization="none"), "LBNHC")
+    for worker in (mixed, dense):
+        run_requests(worker, [[("r", PROMPTS[1], 4, None)]], chunk=64)
+        assert worker.model.model._cpu_decode is None  # looked at, at the first step
+
+
+def quantize_in_place(worker, hf_dir) -> None:
+    """Hold a checkpoint's four projections per layer in Q4_1 blocks, as a GGUF load would."""
+    weights = load_file(hf_dir / "model.safetensors")
+    for i, layer in enumerate(worker.model.model.layers):
+        stem = f"model.layers.{i}"
+        parts = {
+            layer.self_attn.qkv_proj: ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            layer.self_attn.o_proj: ("self_attn.o_proj",),
+            layer.mlp.gate_up_proj: ("mlp.gate_proj", "mlp.up_proj"),
+            layer.mlp.down_proj: ("mlp.down_proj",),
+        }
+        for module, names in parts.items():
+            rows = torch.cat([weights[f"{stem}.{name}.weight"] for name in names])
+            module.packed_weight = QuantizedMatrix.from_gguf(
+                "Q4_1", quantize(rows.float().numpy(), Q.Q4_1)
+            )
+    worker.model.model._cpu_decode = False  # looked at again at the next step
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"], ids=["qkv-bias", "sliding-window"])
+def test_biased_qkv_and_a_sliding_window_give_the_modules_hidden_states(
+    tmp_path, compared_steps, family
+):
+    hf_dir = save_model(family, tmp_path / family)
+    worker = start_worker(tiny_model_options(hf_dir, dtype="float32"), "LBNHC")
+    quantize_in_place(worker, hf_dir)
+    prompts = [PROMPTS[2], PROMPTS[0]]  # past the 8-token window
+    requests = [("long", prompts[0], 12, None), ("short", prompts[1], 6, None)]
+    run_requests(worker, [requests], chunk=64)
+    assert isinstance(worker.model.model._cpu_decode, CpuDecodePath)
+    assert {1, 2} <= set(compared_steps), compared_steps

@@ -1,0 +1,254 @@
+"""Decode steps of a Llama-family model on CPUs through the C decoder-layer kernels
+(``kernels.decoder.cpu_decoder``): two calls per layer where the torch modules dispatch some
+seventy small ops, which on two cores cost half of SmolLM2's step.
+
+It takes a step only when the C kernels compute what the modules would: every request
+decodes one token (no prefill chunk, no speculative verification, no padding), the layers are
+plain Llama layers (gated SiLU MLP, no Q/K norms, no sinks or softcap, one sliding window for
+all), their four projections are held as GGUF blocks, the cache is float32, and every layer
+is in one KV-cache group served by the torch backend. Any other step goes through the modules,
+as does a model that never qualifies. A tensor-parallel rank all-reduces each block's output
+between the calls, as the row-parallel layers do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels.attention.cpu_attention import MAX_GROUP, MAX_HEAD, DecodeArgs, _work_split
+from kernels.attention.torch_backend import TorchAttentionBackend
+from kernels.decoder import cpu_decoder
+from kernels.quant import cpu_matmul
+from kernels.quant.gguf_blocks import QuantizedMatrix
+from workers.forward_context import get_forward_context
+from workers.layers.mlp import MLP
+from workers.parallel import all_reduce
+
+MAX_ROWS = cpu_matmul.KERNEL_MAX_ROWS  # past it the modules' prefill-sized matmuls win
+
+
+@dataclass
+class _Buffers:
+    """One step's scratch, kept per row count (a decode batch keeps its size for a while)."""
+
+    delta: torch.Tensor
+    normed: torch.Tensor
+    qkv: torch.Tensor
+    query: torch.Tensor
+    attended: torch.Tensor
+    gate_up: torch.Tensor
+    activated: torch.Tensor
+
+
+class CpuDecodePath:
+    """Built once a model's weights are loaded; ``forward`` returns None for a step it does
+    not take."""
+
+    def __init__(self, model: nn.Module, library):
+        self.model = model
+        self.library = library
+        layers = model.layers
+        first = layers[0].self_attn
+        self.rotary = first.rotary_emb
+        self.layer_names = [layer.self_attn.attn.layer_name for layer in layers]
+        self.params = first.attn.params
+        self.num_heads, self.num_kv_heads = first.attn.num_heads, first.attn.num_kv_heads
+        self.head_size = first.attn.head_size
+        self.q_width = self.num_heads * self.head_size
+        self.qkv_width = first.qkv_proj.output_size_per_rank
+        self.hidden = layers[0].input_layernorm.weight.shape[0]
+        self.intermediate = layers[0].mlp.down_proj.packed_weight.shape[1]
+        matmuls = cpu_matmul.kernel()
+        use_int16 = cpu_matmul.has_int16_path()
+        self.decoder_model = cpu_decoder.DecoderModel(
+            hidden=self.hidden,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            intermediate=self.intermediate,
+            eps=layers[0].input_layernorm.eps,
+            matmul=cpu_decoder.entry_point(matmuls.gguf_matmul),
+            matmul_int16=cpu_decoder.entry_point(matmuls.gguf_matmul_int16) if use_int16 else None,
+            int16_max_rows=cpu_matmul.INT16_MAX_ROWS if use_int16 else 0,
+            attention=cpu_decoder.entry_point(cpu_decoder.decode_kernel()),
+        )
+        self._caches: tuple | None = None  # the cache views the layer structures point into
+        self._layers: list[cpu_decoder.DecoderLayer] = []
+        self._buffers: dict[int, _Buffers] = {}
+        self.num_steps = 0  # steps taken here (the tests check it moves)
+
+    @classmethod
+    def for_model(cls, model: nn.Module) -> CpuDecodePath | None:
+        """The path for a loaded ``LlamaModel``, or None where it can never take a step."""
+        from workers.models.llama import LlamaAttention, LlamaDecoderLayer
+
+        layers = list(getattr(model, "layers", ()))
+        if not layers or model.embed_tokens.weight.device.type != "cpu":
+            return None
+        for layer in layers:
+            if type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention:
+                return None
+            attention, mlp = layer.self_attn, layer.mlp
+            if attention.q_norm is not None or attention.rotary_emb.is_interleaved:
+                return None
+            if not isinstance(mlp, MLP) or mlp.gate_up_proj is None or mlp.activation != "silu":
+                return None
+            projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(isinstance(p.packed_weight, QuantizedMatrix) for p in projections):
+                return None
+            if any(p.bias is not None for p in projections[1:]):  # row-parallel sums first
+                return None
+            params = attention.attn.params
+            if params.sinks is not None or params.softcap is not None:
+                return None
+            if params != layers[0].self_attn.attn.params or attention.rotary_emb is not (
+                layers[0].self_attn.rotary_emb
+            ):
+                return None
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(n.dtype != torch.float32 or not n.is_contiguous() for n in norms):
+                return None
+        first = layers[0].self_attn.attn
+        head_size = first.head_size
+        group = first.num_heads // first.num_kv_heads
+        if head_size % 2 or head_size > MAX_HEAD or group > MAX_GROUP:
+            return None
+        library = cpu_decoder.decoder_library()
+        return None if library is None else cls(model, library)
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        num_rows = token_ids.shape[0]
+        if not 1 <= num_rows <= MAX_ROWS or token_ids.device.type != "cpu":
+            return None
+        context = get_forward_context()
+        step = context.step_for(self.layer_names[0])
+        metadata = step.metadata
+        if not isinstance(step.kernels, TorchAttentionBackend) or not metadata.is_decode_only:
+            return None
+        if metadata.num_actual_tokens != num_rows or metadata.num_reqs != num_rows:
+            return None
+        if any(context.step_for(name) is not step for name in self.layer_names):
+            return None
+        if not self._bind_caches():
+            return None
+        hidden = self.model.embed_tokens(token_ids)
+        if hidden.dtype != torch.float32 or not hidden.is_contiguous():
+            return None
+        cos, sin = self.rotary._cos_sin(positions)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        slots = metadata.slot_mapping.contiguous()
+        block_table = metadata.block_table.contiguous()
+        seq_lens = metadata.seq_lens.contiguous()
+        token_of = metadata.query_start_loc[:-1].contiguous()
+        window = self.params.sliding_window
+        items, bounds, num_threads = _work_split(seq_lens, self.num_kv_heads, window)
+        buffers = self._buffers_for(num_rows)
+        out = torch.empty_like(hidden)
+        decoder_step = cpu_decoder.DecoderStep(
+            rows=num_rows,
+            residual=hidden.data_ptr(),
+            delta=buffers.delta.data_ptr(),
+            has_delta=0,
+            normed=buffers.normed.data_ptr(),
+            qkv=buffers.qkv.data_ptr(),
+            query=buffers.query.data_ptr(),
+            attended=buffers.attended.data_ptr(),
+            gate_up=buffers.gate_up.data_ptr(),
+            activated=buffers.activated.data_ptr(),
+            cos=cos.data_ptr(),
+            sin=sin.data_ptr(),
+            slots=slots.data_ptr(),
+            attention=DecodeArgs(
+                dtype=0,
+                block_table=block_table.data_ptr(),
+                stride_bt=block_table.stride(0),
+                seq_lens=seq_lens.data_ptr(),
+                token_of=token_of.data_ptr(),
+                num_q_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+                head_size=self.head_size,
+                head_size_v=self.head_size,
+                block_size=metadata.block_size,
+                sliding_window=window or 0,
+                scale=self.params.scale,
+                softcap=0.0,
+                items=items.data_ptr(),
+            ),
+            bounds=bounds.data_ptr(),
+            num_threads=num_threads,
+        )
+        model, step_ref = ctypes.byref(self.decoder_model), ctypes.byref(decoder_step)
+        for layer in self._layers:
+            layer_ref = ctypes.byref(layer)
+            _check(self.library.attention_block(model, layer_ref, step_ref), "attention")
+            all_reduce(buffers.delta)
+            _check(self.library.mlp_block(model, layer_ref, step_ref), "MLP")
+            all_reduce(buffers.delta)
+        decoder_step.normed = out.data_ptr()
+        final = self.model.norm.weight
+        _check(self.library.final_norm(model, final.data_ptr(), step_ref), "final norm")
+        self.num_steps += 1
+        return out
+
+    def _bind_caches(self) -> bool:
+        """Point the layer structures at the layers' cache views (again after a rebind)."""
+        layers = self.model.layers
+        caches = tuple(layer.self_attn.attn.kv_cache for layer in layers)
+        if self._caches is not None and all(
+            a is b for a, b in zip(caches, self._caches, strict=True)
+        ):
+            return True
+        if any(c is None or c.dtype != torch.float32 or c.stride(-1) != 1 for c in caches):
+            return False
+        if any(c.shape[1] < self.num_kv_heads or c.shape[3] < 2 * self.head_size for c in caches):
+            return False
+        pairs = zip(layers, caches, strict=True)
+        self._layers = [self._layer_struct(layer, cache) for layer, cache in pairs]
+        self._caches = caches
+        return True
+
+    @staticmethod
+    def _layer_struct(layer: nn.Module, cache: torch.Tensor) -> cpu_decoder.DecoderLayer:
+        attention, mlp = layer.self_attn, layer.mlp
+        qkv = attention.qkv_proj
+        return cpu_decoder.DecoderLayer(
+            input_norm=layer.input_layernorm.weight.data_ptr(),
+            post_norm=layer.post_attention_layernorm.weight.data_ptr(),
+            qkv=cpu_decoder.qweight(qkv.packed_weight, qkv.bias),
+            o=cpu_decoder.qweight(attention.o_proj.packed_weight),
+            gate_up=cpu_decoder.qweight(mlp.gate_up_proj.packed_weight),
+            down=cpu_decoder.qweight(mlp.down_proj.packed_weight),
+            cache=cache.data_ptr(),
+            stride_cb=cache.stride(0),
+            stride_ch=cache.stride(1),
+            stride_cn=cache.stride(2),
+            kernel_block_size=cache.shape[2],
+        )
+
+    def _buffers_for(self, num_rows: int) -> _Buffers:
+        buffers = self._buffers.get(num_rows)
+        if buffers is None:
+
+            def rows(width: int) -> torch.Tensor:
+                return torch.empty(num_rows, width, dtype=torch.float32)
+
+            buffers = _Buffers(
+                delta=rows(self.hidden),
+                normed=rows(self.hidden),
+                qkv=rows(self.qkv_width),
+                query=rows(self.q_width),
+                attended=rows(self.q_width),
+                gate_up=rows(2 * self.intermediate),
+                activated=rows(self.intermediate),
+            )
+            self._buffers[num_rows] = buffers
+        return buffers
+
+
+def _check(code: int, part: str) -> None:
+    if code != 0:
+        raise RuntimeError(f"the CPU decoder kernel's {part} block failed with code {code}")
