@@ -2,7 +2,8 @@
 greedy tokens equal transformers' for a dense Llama, an MLA DeepSeek and a NemotronH hybrid
 (whose Mamba states roll back past rejected drafts) with drafts both accepted and rejected,
 under chunked prefill, preemption and prefix hits (a hit on blocks a rejected draft once wrote
-must hold the verified K/V, and a hybrid's hit the verified Mamba state);
+must hold the verified K/V, and a hybrid's hit the verified Mamba state), and a Llama GGUF
+held in blocks, whose verification steps run through the C decoder layers;
 stops inside accepted drafts end where plain decoding ends; TP 2 on Ray agrees, for the
 hybrid too."""
 
@@ -27,6 +28,7 @@ from tests.workers.hf_models import (
     save_deepseek,
     save_nemotron_h,
 )
+from tests.workers.test_gguf import ALL_QUANTIZED, write_gguf
 
 SPEC = json.dumps(
     {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
@@ -52,17 +54,22 @@ def save_llama(directory):
 def saved(family: str, directory):
     """The checkpoint, transformers' outputs for REPEATING, and follow-up prompts (a prompt and
     20 of its outputs) with transformers' outputs for them."""
+    reference = directory
     if family == "llama":
         save_llama(directory)
+    elif family == "llama_gguf":
+        reference = save_llama(directory / "hf")  # rewritten with the weights the file holds
+        directory = directory / "model.gguf"
+        write_gguf(reference, directory, ALL_QUANTIZED)
     elif family == "nemotron_h":
         # Two Mamba layers around the attention one: a state that kept a rejected draft
         # changes every later token.
         save_nemotron_h(directory, HYBRID_LAYERS, n_groups=2, initializer_range=HYBRID_INIT)
     else:
         save_deepseek(directory, q_lora_rank=24, initializer_range=INIT_RANGE)
-    expected = reference_generations(directory, REPEATING, NUM_TOKENS)
+    expected = reference_generations(reference, REPEATING, NUM_TOKENS)
     follow_ups = [p + out[:20] for p, out in zip(REPEATING, expected, strict=True)]
-    return family, directory, expected, follow_ups, reference_generations(directory, follow_ups, 12)
+    return family, directory, expected, follow_ups, reference_generations(reference, follow_ups, 12)
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +87,24 @@ def nemotron_h(tmp_path_factory):
     return saved("nemotron_h", tmp_path_factory.mktemp("nemotron_h"))
 
 
-@pytest.fixture(params=["llama", "deepseek", "nemotron_h"])
+@pytest.fixture(scope="module")
+def llama_gguf(tmp_path_factory):
+    return saved("llama_gguf", tmp_path_factory.mktemp("llama_gguf"))
+
+
+def c_decoder_steps(server: LocalServer) -> int:
+    """Steps the in-process worker took through the C decoder layers."""
+    return server.engine.transport.worker.model.model._cpu_decode.num_steps
+
+
+@pytest.fixture(params=["llama", "deepseek", "nemotron_h", "llama_gguf"])
 def model(request):
     return request.getfixturevalue(request.param)
 
 
 def engine_config(directory, **settings) -> EngineConfig:
+    if str(directory).endswith(".gguf"):  # float32 workers keep its blocks (else bfloat16)
+        settings.setdefault("dtype", "float32")
     return EngineConfig(
         model=str(directory),
         port=0,
@@ -128,7 +147,9 @@ def generate_all(address: str, prompts, max_tokens: int) -> list[list[int]]:
 
 def test_greedy_tokens_equal_transformers_with_drafts_accepted_and_rejected(model):
     family, directory, expected, follow_ups, follow_up_expected = model
-    layout = {"llama": "LHBNC", "deepseek": "BLHNC", "nemotron_h": "BLNHC"}[family]
+    layout = {"llama": "LHBNC", "deepseek": "BLHNC", "nemotron_h": "BLNHC", "llama_gguf": "BHLNC"}[
+        family
+    ]
     # A budget of 24 tokens chunks every prompt off block boundaries and caps drafts too.
     config = engine_config(directory, kv_cache_layout=layout, max_num_batched_tokens=24)
     with LocalServer(config) as server, Client(server.address) as client:
@@ -141,6 +162,8 @@ def test_greedy_tokens_equal_transformers_with_drafts_accepted_and_rejected(mode
             done = client.generate(prompt, max_tokens=12, temperature=0)
             assert done.usage.cached_prompt_tokens > 0
             assert done.token_ids == want
+        if family == "llama_gguf":
+            assert c_decoder_steps(server) > 0
 
 
 def test_preemption_with_drafts_in_play_keeps_the_tokens(model):

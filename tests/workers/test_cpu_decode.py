@@ -1,7 +1,8 @@
-"""The C decoder-layer path (``workers.models.llama_cpu_decode``) takes the decode steps of a
-Llama whose projections are kept in GGUF blocks, and each of its steps gives the hidden states
-the torch modules give for the same step; a step or a model it cannot serve goes through the
-modules."""
+"""The C decoder-layer path (``workers.models.llama_cpu_decode``) takes the short steps (decode,
+and prefill chunks of up to 32 tokens) of a Llama whose projections are kept in GGUF blocks,
+and each of its steps gives the hidden states the torch modules give for the same step; a
+step or a model it cannot serve goes through the modules. Speculative verification through it
+is in tests/cluster/test_speculative_decoding.py."""
 
 from __future__ import annotations
 
@@ -82,8 +83,10 @@ def test_decode_steps_go_through_the_c_layers_and_equal_transformers(
     )
     path_taken = worker.model.model._cpu_decode
     assert isinstance(path_taken, CpuDecodePath)
-    # Steps of 3, 2 and 1 rows: the float kernel and the int16 one (at most 2 rows).
+    # Prefill chunks of up to 7 tokens per request (more rows than requests), then decode
+    # steps of 3, 2 and 1 rows: the float kernel and the int16 one (at most 2 rows).
     assert {1, 2, 3} <= set(compared_steps), compared_steps
+    assert max(compared_steps) > len(PROMPTS), compared_steps
     assert path_taken.num_steps == len(compared_steps)
 
 

@@ -133,7 +133,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self._cpu_decode is False:  # at the first step, once the weights are in place
-            self._cpu_decode = CpuDecodePath.for_model(self)
+            self._cpu_decode = CpuDecodePath.for_model(self, LlamaDecoderLayer, LlamaAttention)
         if self._cpu_decode is not None:
             hidden = self._cpu_decode.forward(token_ids, positions)
             if hidden is not None:

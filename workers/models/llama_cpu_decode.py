@@ -1,14 +1,15 @@
-"""Decode steps of a Llama-family model on CPUs through the C decoder-layer kernels
+"""Short steps of a Llama-family model on CPUs through the C decoder-layer kernels
 (``kernels.decoder.cpu_decoder``): two calls per layer where the torch modules dispatch some
-seventy small ops, which on two cores cost half of SmolLM2's step.
+seventy small ops, which on two cores cost half of SmolLM2's decode step.
 
-It takes a step only when the C kernels compute what the modules would: every request
-decodes one token (no prefill chunk, no speculative verification, no padding), the layers are
-plain Llama layers (gated SiLU MLP, no Q/K norms, no sinks or softcap, one sliding window for
-all), their four projections are held as GGUF blocks, the cache is float32, and every layer
-is in one KV-cache group served by the torch backend. Any other step goes through the modules,
-as does a model that never qualifies. A tensor-parallel rank all-reduces each block's output
-between the calls, as the row-parallel layers do.
+It takes a step of up to 32 tokens (no padding) when the C kernels compute what the modules
+would: decode steps, and steps with several tokens per request (speculative verification,
+short prefill chunks), whose tokens the decode kernel reads as requests of their own. The
+layers must be plain Llama layers (gated SiLU MLP, no Q/K norms, no sinks or softcap, one
+sliding window for all), their four projections held as GGUF blocks, the cache float32, and
+every layer in one KV-cache group served by the torch backend. Any other step goes through
+the modules, as does a model that never qualifies. A tensor-parallel rank all-reduces each
+block's output between the calls, as the row-parallel layers do.
 """
 
 from __future__ import annotations
@@ -82,15 +83,17 @@ class CpuDecodePath:
         self.num_steps = 0  # steps taken here (the tests check it moves)
 
     @classmethod
-    def for_model(cls, model: nn.Module) -> CpuDecodePath | None:
-        """The path for a loaded ``LlamaModel``, or None where it can never take a step."""
-        from workers.models.llama import LlamaAttention, LlamaDecoderLayer
-
+    def for_model(
+        cls, model: nn.Module, layer_class: type, attention_class: type
+    ) -> CpuDecodePath | None:
+        """The path for a loaded ``LlamaModel`` whose layers are exactly ``layer_class`` with
+        ``attention_class`` (not a subclass, which may compute something else), or None where
+        it can never take a step."""
         layers = list(getattr(model, "layers", ()))
         if not layers or model.embed_tokens.weight.device.type != "cpu":
             return None
         for layer in layers:
-            if type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention:
+            if type(layer) is not layer_class or type(layer.self_attn) is not attention_class:
                 return None
             attention, mlp = layer.self_attn, layer.mlp
             if attention.q_norm is not None or attention.rotary_emb.is_interleaved:
@@ -127,9 +130,9 @@ class CpuDecodePath:
         context = get_forward_context()
         step = context.step_for(self.layer_names[0])
         metadata = step.metadata
-        if not isinstance(step.kernels, TorchAttentionBackend) or not metadata.is_decode_only:
+        if not isinstance(step.kernels, TorchAttentionBackend):
             return None
-        if metadata.num_actual_tokens != num_rows or metadata.num_reqs != num_rows:
+        if metadata.num_actual_tokens != num_rows:  # padded
             return None
         if any(context.step_for(name) is not step for name in self.layer_names):
             return None
@@ -141,9 +144,12 @@ class CpuDecodePath:
         cos, sin = self.rotary._cos_sin(positions)
         cos, sin = cos.contiguous(), sin.contiguous()
         slots = metadata.slot_mapping.contiguous()
-        block_table = metadata.block_table.contiguous()
-        seq_lens = metadata.seq_lens.contiguous()
-        token_of = metadata.query_start_loc[:-1].contiguous()
+        if metadata.is_decode_only:
+            block_table = metadata.block_table.contiguous()
+            seq_lens = metadata.seq_lens.contiguous()
+            token_of = metadata.query_start_loc[:-1].contiguous()
+        else:
+            block_table, seq_lens, token_of = _one_request_per_token(metadata)
         window = self.params.sliding_window
         items, bounds, num_threads = _work_split(seq_lens, self.num_kv_heads, window)
         buffers = self._buffers_for(num_rows)
@@ -247,6 +253,27 @@ class CpuDecodePath:
             )
             self._buffers[num_rows] = buffers
         return buffers
+
+
+def _one_request_per_token(metadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step with several new tokens per request (a speculative verification, a short
+    prefill chunk) as the decode kernel reads it: each token a request of its own, with its
+    request's block table row and the keys up to and including itself (the causal mask)."""
+    starts, totals = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+    request_of: list[int] = []
+    seq_lens: list[int] = []
+    for request, total in enumerate(totals):
+        num_new = starts[request + 1] - starts[request]
+        request_of += [request] * num_new
+        seq_lens += range(total - num_new + 1, total + 1)
+    rows = torch.tensor(request_of, dtype=torch.int64)
+    block_table = metadata.block_table.index_select(0, rows).contiguous()
+    num_tokens = len(request_of)
+    return (
+        block_table,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        torch.arange(num_tokens, dtype=torch.int32),
+    )
 
 
 def _check(code: int, part: str) -> None:
