@@ -21,20 +21,8 @@ from tests.workers.engine import (
     tiny_model_options,
 )
 from tests.workers.hf_models import PROMPTS, reference_generations, save_model
-from tests.workers.test_gguf import ALL_QUANTIZED, MIXED, write_gguf
 from workers.models.llama_cpu_decode import CpuDecodePath
 from workers.worker import WorkerOptions
-
-
-@pytest.fixture(scope="module")
-def gguf_files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cpu-decode")
-    files = {}
-    for name, types in (("all", ALL_QUANTIZED), ("mixed", MIXED)):
-        hf_dir = save_model("llama", root / f"hf-{name}")
-        write_gguf(hf_dir, root / f"{name}.gguf", types)
-        files[name] = (hf_dir, root / f"{name}.gguf")
-    return files
 
 
 @pytest.fixture
@@ -72,9 +60,9 @@ def gguf_options(path, **extra) -> WorkerOptions:
 
 @pytest.mark.parametrize("layout", ["LBNHC", "BHLNC"])
 def test_decode_steps_go_through_the_c_layers_and_equal_transformers(
-    gguf_files, compared_steps, layout
+    quantized_files, compared_steps, layout
 ):
-    hf_dir, path = gguf_files["all"]
+    hf_dir, path = quantized_files["all"]
     worker = start_worker(gguf_options(path), layout)
     requests = [(f"r{i}", prompt, 12, None) for i, prompt in enumerate(PROMPTS)]
     outputs = run_requests(worker, [requests], chunk=7)
@@ -90,8 +78,8 @@ def test_decode_steps_go_through_the_c_layers_and_equal_transformers(
     assert path_taken.num_steps == len(compared_steps)
 
 
-def test_after_a_prefix_hit_and_a_second_batch_the_tokens_stay_exact(gguf_files):
-    hf_dir, path = gguf_files["all"]
+def test_after_a_prefix_hit_and_a_second_batch_the_tokens_stay_exact(quantized_files):
+    hf_dir, path = quantized_files["all"]
     worker = start_worker(gguf_options(path), "LBNHC")
     first = [("a", PROMPTS[2], 8, None)]
     second = [("b", [*PROMPTS[2][:20], 7, 8, 9], 8, "a"), ("c", PROMPTS[0], 8, None)]
@@ -105,8 +93,8 @@ def rank_steps(worker) -> int:
     return worker.model.model._cpu_decode.num_steps
 
 
-def test_two_ranks_reduce_between_the_c_blocks(gguf_files):
-    hf_dir, path = gguf_files["all"]
+def test_two_ranks_reduce_between_the_c_blocks(quantized_files):
+    hf_dir, path = quantized_files["all"]
     batch = [[(f"r{i}", prompt, 10, None) for i, prompt in enumerate(PROMPTS[:2])]]
     outputs, steps = run_tensor_parallel(
         gguf_options(path, tensor_parallel_size=2), "BLHNC", batch, chunk=5, probe=rank_steps
@@ -115,10 +103,10 @@ def test_two_ranks_reduce_between_the_c_blocks(gguf_files):
     assert min(steps) > 0 and len(set(steps)) == 1, steps
 
 
-def test_models_the_c_layers_cannot_compute_go_through_the_modules(gguf_files):
+def test_models_the_c_layers_cannot_compute_go_through_the_modules(quantized_files):
     # Fused QKV and gate-up of mixed types are dequantized (workers.quantization).
-    mixed = start_worker(gguf_options(gguf_files["mixed"][1]), "LBNHC")
-    dense = start_worker(gguf_options(gguf_files["all"][1], quantization="none"), "LBNHC")
+    mixed = start_worker(gguf_options(quantized_files["mixed"][1]), "LBNHC")
+    dense = start_worker(gguf_options(quantized_files["all"][1], quantization="none"), "LBNHC")
     for worker in (mixed, dense):
         run_requests(worker, [[("r", PROMPTS[1], 4, None)]], chunk=64)
         assert worker.model.model._cpu_decode is None  # looked at, at the first step

@@ -319,18 +319,6 @@ def test_llama3_style_tokenizer_equals_transformers(tmp_path):
 # -- weights served quantized (--quantization) -----------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def quantized_files(tmp_path_factory):
-    """(transformers directory, GGUF) for the all-quantized and the mixed type sets."""
-    root = tmp_path_factory.mktemp("quantized")
-    files = {}
-    for name, types in (("all", ALL_QUANTIZED), ("mixed", MIXED)):
-        hf_dir = save_model("llama", root / f"hf-{name}")
-        write_gguf(hf_dir, root / f"{name}.gguf", types)
-        files[name] = (hf_dir, root / f"{name}.gguf")
-    return files
-
-
 def loaded_worker(path, **options) -> Worker:
     worker = Worker(0, WorkerOptions(model=str(path), dtype="float32", **options))
     worker.init_tp_group(None)
