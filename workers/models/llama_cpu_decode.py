@@ -15,7 +15,7 @@ block's output between the calls, as the row-parallel layers do.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
@@ -124,23 +124,47 @@ class CpuDecodePath:
         return None if library is None else cls(model, library)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        metadata = self._metadata_if_taken(token_ids)
+        if metadata is None:
+            return None
+        hidden = self.model.embed_tokens(token_ids)
+        if hidden.dtype != torch.float32 or not hidden.is_contiguous():
+            return None
+        buffers = self._buffers_for(token_ids.shape[0])
+        out = torch.empty_like(hidden)
+        # The tensors the structure points into live as long as ``held``.
+        decoder_step, held = self._decoder_step(hidden, positions, metadata, buffers)
+        model, step_ref = ctypes.byref(self.decoder_model), ctypes.byref(decoder_step)
+        for layer in self._layers:
+            layer_ref = ctypes.byref(layer)
+            _check(self.library.attention_block(model, layer_ref, step_ref), "attention")
+            all_reduce(buffers.delta)
+            _check(self.library.mlp_block(model, layer_ref, step_ref), "MLP")
+            all_reduce(buffers.delta)
+        decoder_step.normed = out.data_ptr()
+        final = self.model.norm.weight
+        _check(self.library.final_norm(model, final.data_ptr(), step_ref), "final norm")
+        del held
+        self.num_steps += 1
+        return out
+
+    def _metadata_if_taken(self, token_ids: torch.Tensor):
+        """The step's attention metadata when this path takes the step, else None."""
         num_rows = token_ids.shape[0]
         if not 1 <= num_rows <= MAX_ROWS or token_ids.device.type != "cpu":
             return None
         context = get_forward_context()
         step = context.step_for(self.layer_names[0])
-        metadata = step.metadata
         if not isinstance(step.kernels, TorchAttentionBackend):
             return None
-        if metadata.num_actual_tokens != num_rows:  # padded
+        if step.metadata.num_actual_tokens != num_rows:  # padded
             return None
         if any(context.step_for(name) is not step for name in self.layer_names):
             return None
-        if not self._bind_caches():
-            return None
-        hidden = self.model.embed_tokens(token_ids)
-        if hidden.dtype != torch.float32 or not hidden.is_contiguous():
-            return None
+        return step.metadata if self._bind_caches() else None
+
+    def _decoder_step(self, hidden, positions, metadata, buffers: _Buffers):
+        """The C structure for one step, and the tensors it points into."""
         cos, sin = self.rotary._cos_sin(positions)
         cos, sin = cos.contiguous(), sin.contiguous()
         slots = metadata.slot_mapping.contiguous()
@@ -152,53 +176,37 @@ class CpuDecodePath:
             block_table, seq_lens, token_of = _one_request_per_token(metadata)
         window = self.params.sliding_window
         items, bounds, num_threads = _work_split(seq_lens, self.num_kv_heads, window)
-        buffers = self._buffers_for(num_rows)
-        out = torch.empty_like(hidden)
+        attention = DecodeArgs(
+            dtype=0,
+            block_table=block_table.data_ptr(),
+            stride_bt=block_table.stride(0),
+            seq_lens=seq_lens.data_ptr(),
+            token_of=token_of.data_ptr(),
+            num_q_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            head_size_v=self.head_size,
+            block_size=metadata.block_size,
+            sliding_window=window or 0,
+            scale=self.params.scale,
+            softcap=0.0,
+            items=items.data_ptr(),
+        )
+        # The scratch buffers go by the structure's own field names.
+        pointers = {f.name: getattr(buffers, f.name).data_ptr() for f in fields(buffers)}
         decoder_step = cpu_decoder.DecoderStep(
-            rows=num_rows,
+            rows=hidden.shape[0],
             residual=hidden.data_ptr(),
-            delta=buffers.delta.data_ptr(),
             has_delta=0,
-            normed=buffers.normed.data_ptr(),
-            qkv=buffers.qkv.data_ptr(),
-            query=buffers.query.data_ptr(),
-            attended=buffers.attended.data_ptr(),
-            gate_up=buffers.gate_up.data_ptr(),
-            activated=buffers.activated.data_ptr(),
             cos=cos.data_ptr(),
             sin=sin.data_ptr(),
             slots=slots.data_ptr(),
-            attention=DecodeArgs(
-                dtype=0,
-                block_table=block_table.data_ptr(),
-                stride_bt=block_table.stride(0),
-                seq_lens=seq_lens.data_ptr(),
-                token_of=token_of.data_ptr(),
-                num_q_heads=self.num_heads,
-                num_kv_heads=self.num_kv_heads,
-                head_size=self.head_size,
-                head_size_v=self.head_size,
-                block_size=metadata.block_size,
-                sliding_window=window or 0,
-                scale=self.params.scale,
-                softcap=0.0,
-                items=items.data_ptr(),
-            ),
+            attention=attention,
             bounds=bounds.data_ptr(),
             num_threads=num_threads,
+            **pointers,
         )
-        model, step_ref = ctypes.byref(self.decoder_model), ctypes.byref(decoder_step)
-        for layer in self._layers:
-            layer_ref = ctypes.byref(layer)
-            _check(self.library.attention_block(model, layer_ref, step_ref), "attention")
-            all_reduce(buffers.delta)
-            _check(self.library.mlp_block(model, layer_ref, step_ref), "MLP")
-            all_reduce(buffers.delta)
-        decoder_step.normed = out.data_ptr()
-        final = self.model.norm.weight
-        _check(self.library.final_norm(model, final.data_ptr(), step_ref), "final norm")
-        self.num_steps += 1
-        return out
+        return decoder_step, (cos, sin, slots, block_table, seq_lens, token_of, items, bounds)
 
     def _bind_caches(self) -> bool:
         """Point the layer structures at the layers' cache views (again after a rebind)."""
