@@ -60,6 +60,7 @@ class DecoderLayer(ctypes.Structure):
         ("stride_ch", ctypes.c_int64),
         ("stride_cn", ctypes.c_int64),
         ("kernel_block_size", ctypes.c_int),
+        ("cache_dtype", ctypes.c_int),  # cpu_attention.DTYPE_CODES
     ]
 
 

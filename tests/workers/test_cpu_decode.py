@@ -78,6 +78,24 @@ def test_decode_steps_go_through_the_c_layers_and_equal_transformers(
     assert path_taken.num_steps == len(compared_steps)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_precision_caches_go_through_the_c_layers(
+    quantized_files, compared_steps, cache_dtype
+):
+    # Each step's keys and values are rounded into the cache and read back by the step's own
+    # attention, so a wrong cell shows in that step's hidden states.
+    _, path = quantized_files["all"]
+    name = str(cache_dtype).removeprefix("torch.")
+    worker = start_worker(gguf_options(path, kv_cache_dtype=name), "BLNHC")
+    requests = [(f"r{i}", prompt, 10, None) for i, prompt in enumerate(PROMPTS)]
+    run_requests(worker, [requests], chunk=6)
+    assert worker.model.model.layers[0].self_attn.attn.kv_cache.dtype == cache_dtype
+    path_taken = worker.model.model._cpu_decode
+    assert isinstance(path_taken, CpuDecodePath)
+    assert {1, 2, 3} <= set(compared_steps), compared_steps
+    assert path_taken.num_steps == len(compared_steps)
+
+
 def test_after_a_prefix_hit_and_a_second_batch_the_tokens_stay_exact(quantized_files):
     hf_dir, path = quantized_files["all"]
     worker = start_worker(gguf_options(path), "LBNHC")

@@ -6,10 +6,10 @@ It takes a step of up to 32 tokens (no padding) when the C kernels compute what 
 would: decode steps, and steps with several tokens per request (speculative verification,
 short prefill chunks), whose tokens the decode kernel reads as requests of their own. The
 layers must be plain Llama layers (gated SiLU MLP, no Q/K norms, no sinks or softcap, one
-sliding window for all), their four projections held as GGUF blocks, the cache float32, and
-every layer in one KV-cache group served by the torch backend. Any other step goes through
-the modules, as does a model that never qualifies. A tensor-parallel rank all-reduces each
-block's output between the calls, as the row-parallel layers do.
+sliding window for all), their four projections held as GGUF blocks, the cache float32,
+float16 or bfloat16, and every layer in one KV-cache group served by the torch backend. Any
+other step goes through the modules, as does a model that never qualifies. A tensor-parallel
+rank all-reduces each block's output between the calls, as the row-parallel layers do.
 """
 
 from __future__ import annotations
@@ -20,7 +20,13 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from kernels.attention.cpu_attention import MAX_GROUP, MAX_HEAD, DecodeArgs, _work_split
+from kernels.attention.cpu_attention import (
+    DTYPE_CODES,
+    MAX_GROUP,
+    MAX_HEAD,
+    DecodeArgs,
+    _work_split,
+)
 from kernels.attention.torch_backend import TorchAttentionBackend
 from kernels.decoder import cpu_decoder
 from kernels.quant import cpu_matmul
@@ -216,7 +222,7 @@ class CpuDecodePath:
             a is b for a, b in zip(caches, self._caches, strict=True)
         ):
             return True
-        if any(c is None or c.dtype != torch.float32 or c.stride(-1) != 1 for c in caches):
+        if any(c is None or c.dtype not in DTYPE_CODES or c.stride(-1) != 1 for c in caches):
             return False
         if any(c.shape[1] < self.num_kv_heads or c.shape[3] < 2 * self.head_size for c in caches):
             return False
@@ -241,6 +247,7 @@ class CpuDecodePath:
             stride_ch=cache.stride(1),
             stride_cn=cache.stride(2),
             kernel_block_size=cache.shape[2],
+            cache_dtype=DTYPE_CODES[cache.dtype],
         )
 
     def _buffers_for(self, num_rows: int) -> _Buffers:

@@ -15,6 +15,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
 #define MAX_HEAD 512     /* head_size and head_size_v bound: the accumulators live on the stack */
@@ -60,7 +63,18 @@ static inline const float *row_as_f32(float *scratch, const char *base, int64_t 
     if (dtype == DTYPE_F32 && stride == 1) {
         return (const float *)base + first;
     }
-    for (int d = 0; d < length; d++) {
+    int d = 0;
+#if defined(__F16C__)
+    /* vcvtph2ps, eight at a time: the cast below would call a libgcc helper per element. */
+    if (dtype == DTYPE_F16 && stride == 1) {
+        const uint16_t *halves = (const uint16_t *)base + first;
+        for (; d + 8 <= length; d += 8) {
+            __m128i half = _mm_loadu_si128((const __m128i *)(halves + d));
+            _mm256_storeu_ps(scratch + d, _mm256_cvtph_ps(half));
+        }
+    }
+#endif
+    for (; d < length; d++) {
         scratch[d] = load_element(base, first + d * stride, dtype);
     }
     return scratch;

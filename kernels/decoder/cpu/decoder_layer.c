@@ -12,12 +12,20 @@
  * each kernel stays in its own library. A tensor-parallel caller all-reduces `delta` between
  * the two calls; the sums stay in the same order as the torch layers' (residual + delta).
  *
- * Activations are float32 throughout; the KV cache view is float32 with unit channel stride
- * (kernels/decoder/cpu_decoder.py checks both before it takes a step).
+ * Activations are float32 throughout. The KV cache view has unit channel stride and holds
+ * float32, float16 or bfloat16 (kernels/decoder/cpu_decoder.py checks both before it takes a
+ * step); keys and values are rounded into it to nearest even, as torch's casts round, so a
+ * step here writes the cells the torch modules would.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+enum { CACHE_F32 = 0, CACHE_BF16 = 1, CACHE_F16 = 2 }; /* cpu_attention.DTYPE_CODES */
+#define MAX_HEAD 512 /* paged_decode.c's bound, checked by the caller */
 
 typedef struct { /* kernels/quant/cpu/gguf_matmul.c */
     const float *x;
@@ -73,9 +81,10 @@ typedef struct { /* fixed for the model */
 typedef struct { /* fixed for a layer while its cache is bound */
     const float *input_norm, *post_norm;
     QWeight qkv, o, gate_up, down;
-    float *cache; /* the layer's [B, H, N, C] view */
+    char *cache; /* the layer's [B, H, N, C] view; strides in elements */
     int64_t stride_cb, stride_ch, stride_cn;
     int kernel_block_size;
+    int cache_dtype; /* CACHE_* */
 } DecoderLayer;
 
 typedef struct { /* one step */
@@ -143,21 +152,57 @@ static inline void rotate(const float *x, float *out, const float *cos, const fl
     }
 }
 
+/* `count` floats into the cache from element `index` on, in the cache's dtype. */
+static void store_cell(char *cache, int64_t index, const float *values, int64_t count,
+                       int dtype) {
+    if (dtype == CACHE_F32) {
+        memcpy((float *)cache + index, values, (size_t)count * sizeof(float));
+        return;
+    }
+    uint16_t *out = (uint16_t *)cache + index;
+    if (dtype == CACHE_BF16) {
+        for (int64_t j = 0; j < count; j++) {
+            uint32_t bits;
+            memcpy(&bits, values + j, sizeof bits);
+            if ((bits & 0x7fffffffu) > 0x7f800000u) { /* NaN: torch's quiet NaN */
+                out[j] = 0x7fc0;
+            } else { /* round to nearest, ties to the even half */
+                out[j] = (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+            }
+        }
+        return;
+    }
+    int64_t j = 0;
+#if defined(__F16C__)
+    for (; j + 8 <= count; j += 8) {
+        __m128i half = _mm256_cvtps_ph(_mm256_loadu_ps(values + j), _MM_FROUND_TO_NEAREST_INT);
+        _mm_storeu_si128((__m128i *)(out + j), half);
+    }
+#endif
+    for (; j < count; j++) { /* without F16C the cast calls a libgcc helper */
+        _Float16 half = (_Float16)values[j];
+        memcpy(out + j, &half, sizeof half);
+    }
+}
+
 /* Rotated queries to s->query; rotated keys and the values into their cache slots. */
 static void rotate_and_store(const DecoderModel *m, const DecoderLayer *l, DecoderStep *s) {
     int64_t d = m->head_size, q_width = m->num_heads * d, kv_width = m->num_kv_heads * d;
     int64_t width = q_width + 2 * kv_width;
+    float key[MAX_HEAD];
     for (int64_t r = 0; r < s->rows; r++) {
         const float *row = s->qkv + r * width, *cos = s->cos + r * d, *sin = s->sin + r * d;
         for (int64_t head = 0; head < m->num_heads; head++)
             rotate(row + head * d, s->query + r * q_width + head * d, cos, sin, d);
         int64_t slot = s->slots[r];
-        float *cells = l->cache + (slot / l->kernel_block_size) * l->stride_cb
-                       + (slot % l->kernel_block_size) * l->stride_cn;
+        int64_t cells = (slot / l->kernel_block_size) * l->stride_cb
+                        + (slot % l->kernel_block_size) * l->stride_cn;
         for (int64_t head = 0; head < m->num_kv_heads; head++) {
-            float *cell = cells + head * l->stride_ch;
-            rotate(row + q_width + head * d, cell, cos, sin, d);
-            memcpy(cell + d, row + q_width + kv_width + head * d, (size_t)d * sizeof(float));
+            int64_t cell = cells + head * l->stride_ch;
+            rotate(row + q_width + head * d, key, cos, sin, d);
+            store_cell(l->cache, cell, key, d, l->cache_dtype);
+            store_cell(l->cache, cell + d, row + q_width + kv_width + head * d, d,
+                       l->cache_dtype);
         }
     }
 }
@@ -170,7 +215,8 @@ int attention_block(const DecoderModel *m, const DecoderLayer *l, DecoderStep *s
     DecodeArgs args = s->attention;
     args.query = s->query;
     args.out = s->attended;
-    args.cache = (const char *)l->cache;
+    args.cache = l->cache;
+    args.dtype = l->cache_dtype;
     args.stride_cb = l->stride_cb;
     args.stride_ch = l->stride_ch;
     args.stride_cn = l->stride_cn;

@@ -89,6 +89,17 @@ static inline void expand_block(const QMatmulArgs *a, int64_t n, int64_t b, floa
     }
 }
 
+#if defined(__AVX2__)
+/* The eight lanes' sum (the AVX2 tile and the int16 path, on AVX-512 machines too). */
+static inline float sum_avx2(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+#endif
+
 #if defined(__AVX512F__)
 /* Block b of row n of W as float32, in two halves of 16 weights. */
 static inline void expand_avx512(const QMatmulArgs *a, int64_t n, int64_t b, __m512 *lo, __m512 *hi) {
@@ -153,13 +164,6 @@ static inline void expand_avx2(const QMatmulArgs *a, int64_t n, int64_t b, __m25
             w[v] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
         }
     }
-}
-
-static inline float sum_avx2(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 /* As the AVX-512 tile: rows n, n + 1 of W against up to ROWS_PER_TILE rows of x. */
