@@ -2,10 +2,12 @@
 ``kernels/quant/cpu/gguf_matmul.c`` (built at first use like the decode-attention kernel).
 
 Up to ``KERNEL_MAX_ROWS`` rows of x (decode steps, short chunks) the kernel expands each block
-in registers and streams the integers from memory once. At one or two rows, where expanding
-the weights is most of the work, AVX2 machines take the kernel's integer path instead: x is
-held as int16 per 32-value block (15 significant bits, an error of at most half a step of
-``max|x| / 32767`` per value) and multiplied with integer multiply-adds. Longer inputs
+in registers and streams the integers from memory once. Where expanding the weights is most
+of the work, AVX2 machines take the kernel's integer path instead: x is held as int16 per
+32-value block (15 significant bits, an error of at most half a step of ``max|x| / 32767``
+per value) and multiplied with integer multiply-adds, several x rows per widened block. How
+many rows that pays for the kernel says (``int16_max_rows``): one or two with AVX-512's
+float tiles, up to 8 against AVX2's. Longer inputs
 (prefill chunks) are compute-bound: there a weight of moderate size is expanded to float32
 once and handed to the float GEMM; a large one (an LM head) stays with the kernel.
 Where no compiler is found, ``kernel()`` is None and the caller keeps float weights instead.
@@ -28,8 +30,8 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "cpu" / "gguf_matmul.c"
 KIND_CODES = {Q4: 0, Q8: 1}
 KERNEL_MAX_ROWS = 32  # measured with random weights at SmolLM2's shapes (two cores)
-# The integer path measured 1.3-1.6x the float one at 1 row, 1.1-1.3x at 2, even at 4.
-INT16_MAX_ROWS = 2
+# Rows up to which the integer path serves; None: the bound the kernel measured for its CPU.
+INT16_MAX_ROWS: int | None = None
 # A weight past this many values is never expanded: expanding a 49152 x 576 LM head for every
 # step of 33+ requests would write 113 MB per step, more than the kernel's extra arithmetic.
 EXPAND_MAX_VALUES = 8 << 20
@@ -62,12 +64,14 @@ def kernel():
     except (OSError, ValueError) as exc:
         logger.warning("CPU quantized matmul kernel unavailable (%s)", exc)
         return None
-    for name in ("gguf_matmul", "gguf_matmul_int16", "gguf_dequantize", "gguf_has_int16"):
+    entry_points = ("gguf_matmul", "gguf_matmul_int16", "gguf_dequantize", "gguf_has_int16")
+    for name in (*entry_points, "gguf_int16_max_rows"):
         function = getattr(library, name)
         function.restype = ctypes.c_int
     library.gguf_matmul.argtypes = [ctypes.POINTER(QMatmulArgs)]
     library.gguf_matmul_int16.argtypes = [ctypes.POINTER(QMatmulArgs)]
     library.gguf_has_int16.argtypes = []
+    library.gguf_int16_max_rows.argtypes = []
     library.gguf_dequantize.argtypes = [ctypes.POINTER(QMatmulArgs), ctypes.c_void_p]
     return library
 
@@ -114,7 +118,7 @@ def _call(function, *args) -> None:
 def matmul_function(num_rows: int):
     """The kernel's entry point for products of ``num_rows`` rows."""
     library = kernel()
-    if num_rows <= INT16_MAX_ROWS and has_int16_path():
+    if num_rows <= int16_max_rows():
         return library.gguf_matmul_int16
     return library.gguf_matmul
 
@@ -122,6 +126,18 @@ def matmul_function(num_rows: int):
 @functools.cache
 def has_int16_path() -> bool:
     return bool(kernel().gguf_has_int16())
+
+
+def int16_max_rows() -> int:
+    """Rows up to which products take the integer path (0: none, no AVX2 here)."""
+    if not has_int16_path():
+        return 0
+    return _kernel_int16_max_rows() if INT16_MAX_ROWS is None else INT16_MAX_ROWS
+
+
+@functools.cache
+def _kernel_int16_max_rows() -> int:
+    return int(kernel().gguf_int16_max_rows())
 
 
 def dequantize(weight: QuantizedMatrix) -> torch.Tensor:

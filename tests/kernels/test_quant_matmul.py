@@ -66,13 +66,16 @@ def int16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.skipif(not cpu_matmul.has_int16_path(), reason="the integer path needs AVX2")
 @pytest.mark.parametrize("type_name", TYPES)
-@pytest.mark.parametrize("num_rows", [1, cpu_matmul.INT16_MAX_ROWS])
-def test_the_integer_path_is_the_product_of_int16_activations(type_name, num_rows):
-    """At a row or two x is rounded to int16 per block: the products equal float64 ones of
-    the rounded activations, and those of x itself within the rounding's bound (half a step
-    per value times the weight's magnitude)."""
-    matrix, weight = gguf_matrix(type_name, 75, 160, seed=7 + num_rows)
-    x = torch.randn(num_rows, 160, generator=torch.Generator().manual_seed(num_rows)) * 3
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 8, KERNEL_MAX_ROWS])
+def test_the_integer_path_is_the_product_of_int16_activations(type_name, num_rows, monkeypatch):
+    """On the integer path x is rounded to int16 per block: the products equal float64 ones
+    of the rounded activations, and those of x itself within the rounding's bound (half a step
+    per value times the weight's magnitude). One or two rows go one at a time, more in tiles
+    of four (5 rows: a tile and a lone row); 288 columns are a group of eight blocks and one
+    left over."""
+    monkeypatch.setattr(cpu_matmul, "INT16_MAX_ROWS", KERNEL_MAX_ROWS)
+    matrix, weight = gguf_matrix(type_name, 75, 288, seed=7 + num_rows)
+    x = torch.randn(num_rows, 288, generator=torch.Generator().manual_seed(num_rows)) * 3
     assert cpu_matmul.matmul_function(num_rows) == cpu_matmul.kernel().gguf_matmul_int16
     got = quantized_linear(x, matrix).double()
     q, scales = int16_rows(x)
@@ -91,7 +94,8 @@ def test_the_integer_path_is_the_product_of_int16_activations(type_name, num_row
     assert (got - exact).abs().max() > 0  # the rounding is there: this is not the float path
 
 
-def test_leading_dimensions_and_strided_rows_are_kept():
+def test_leading_dimensions_and_strided_rows_are_kept(monkeypatch):
+    monkeypatch.setattr(cpu_matmul, "INT16_MAX_ROWS", 0)  # float32 exactness below
     matrix, weight = gguf_matrix("Q4_1", 33, 64)
     x = torch.randn(2, 3, 128)[..., :64]  # rows with a stride past their length
     torch.testing.assert_close(quantized_linear(x, matrix), x @ weight.T, rtol=1e-5, atol=1e-4)

@@ -80,7 +80,7 @@ class CpuDecodePath:
             eps=layers[0].input_layernorm.eps,
             matmul=cpu_decoder.entry_point(matmuls.gguf_matmul),
             matmul_int16=cpu_decoder.entry_point(matmuls.gguf_matmul_int16) if use_int16 else None,
-            int16_max_rows=cpu_matmul.INT16_MAX_ROWS if use_int16 else 0,
+            int16_max_rows=cpu_matmul.int16_max_rows(),
             attention=cpu_decoder.entry_point(cpu_decoder.decode_kernel()),
         )
         self._caches: tuple | None = None  # the cache views the layer structures point into
