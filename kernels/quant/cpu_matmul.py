@@ -64,13 +64,11 @@ def kernel():
     except (OSError, ValueError) as exc:
         logger.warning("CPU quantized matmul kernel unavailable (%s)", exc)
         return None
-    entry_points = ("gguf_matmul", "gguf_matmul_int16", "gguf_dequantize", "gguf_has_int16")
-    for name in (*entry_points, "gguf_int16_max_rows"):
+    for name in ("gguf_matmul", "gguf_matmul_int16", "gguf_dequantize", "gguf_int16_max_rows"):
         function = getattr(library, name)
         function.restype = ctypes.c_int
     library.gguf_matmul.argtypes = [ctypes.POINTER(QMatmulArgs)]
     library.gguf_matmul_int16.argtypes = [ctypes.POINTER(QMatmulArgs)]
-    library.gguf_has_int16.argtypes = []
     library.gguf_int16_max_rows.argtypes = []
     library.gguf_dequantize.argtypes = [ctypes.POINTER(QMatmulArgs), ctypes.c_void_p]
     return library
@@ -123,9 +121,8 @@ def matmul_function(num_rows: int):
     return library.gguf_matmul
 
 
-@functools.cache
 def has_int16_path() -> bool:
-    return bool(kernel().gguf_has_int16())
+    return _kernel_int16_max_rows() > 0
 
 
 def int16_max_rows() -> int:

@@ -313,6 +313,21 @@ static inline __m256i block_sums(const QMatmulArgs *a, int64_t n, int64_t b, con
     return _mm256_add_epi32(_mm256_madd_epi16(w_lo, x_lo), _mm256_madd_epi16(w_hi, x_hi));
 }
 
+/* Block b of W row n against block b of int16 x row i, scales and Q4's minimum applied: the
+ * blocks past the last group of eight. */
+static float lone_block_dot(const QMatmulArgs *a, const Int16Rows *x16, int64_t n, int64_t i,
+                            int64_t b) {
+    int64_t blocks = a->k / BLOCK;
+    __m256i v = block_sums(a, n, b, x16->q + i * a->k);
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    h = _mm_hadd_epi32(h, h);
+    h = _mm_hadd_epi32(h, h);
+    float out = half_to_float(a->scales[n * blocks + b]) * x16->scale[i * blocks + b]
+                * (float)_mm_cvtsi128_si32(h);
+    if (a->kind == KIND_Q4) out += half_to_float(a->mins[n * blocks + b]) * x16->sum[i * blocks + b];
+    return out;
+}
+
 /* Row n of W against int16 row i of x. Blocks go eight at a time: their exact integer sums
  * gathered in one vector meet eight scales at once (converted from float16 together), so a
  * block costs its multiply-adds and an eighth of the float work. */
@@ -336,14 +351,7 @@ static float int16_row_dot(const QMatmulArgs *a, const Int16Rows *x16, int64_t n
         }
     }
     float out = sum_avx2(acc) + sum_avx2(acc_min);
-    for (; b < blocks; b++) {
-        __m256i v = block_sums(a, n, b, x);
-        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-        h = _mm_hadd_epi32(h, h);
-        h = _mm_hadd_epi32(h, h);
-        out += half_to_float(d[b]) * x_scale[b] * (float)_mm_cvtsi128_si32(h);
-        if (mins != NULL) out += half_to_float(mins[b]) * x_sum[b];
-    }
+    for (; b < blocks; b++) out += lone_block_dot(a, x16, n, i, b);
     return out;
 }
 
@@ -383,15 +391,7 @@ static inline __attribute__((always_inline)) void int16_tile_dot(
     }
     for (int r = 0; r < rows; r++) {
         float out = sum_avx2(acc[r]);
-        const int16_t *x = x16->q + (i + r) * a->k;
-        for (int64_t t = b; t < blocks; t++) {
-            __m256i v = block_sums(a, n, t, x);
-            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-            h = _mm_hadd_epi32(h, h);
-            h = _mm_hadd_epi32(h, h);
-            out += half_to_float(d[t]) * x16->scale[(i + r) * blocks + t] * (float)_mm_cvtsi128_si32(h);
-            if (mins != NULL) out += half_to_float(mins[t]) * x16->sum[(i + r) * blocks + t];
-        }
+        for (int64_t t = b; t < blocks; t++) out += lone_block_dot(a, x16, n, i + r, t);
         a->y[(i + r) * a->stride_y + n] = out;
     }
 }
@@ -434,8 +434,6 @@ int gguf_matmul_int16(const QMatmulArgs *a) {
     return 0;
 }
 
-int gguf_has_int16(void) { return 1; }
-
 /* The rows up to which the integer path serves, from SmolLM2's weights on two cores:
  * AVX-512's float tiles (16 lanes, two FMAs per block and x row) beat it from 3 rows on (7.4
  * vs 10.3 ms at 3, 42 vs 67 at 32). Against AVX2's float tiles it won at every row count
@@ -455,9 +453,7 @@ int gguf_matmul_int16(const QMatmulArgs *a) {
     return 4; /* no AVX2 here: the caller keeps the float path */
 }
 
-int gguf_has_int16(void) { return 0; }
-
-int gguf_int16_max_rows(void) { return 0; }
+int gguf_int16_max_rows(void) { return 0; } /* no integer path */
 #endif
 
 /* W as float32 [N, K] into out (for products of many rows, which a float GEMM does faster). */
