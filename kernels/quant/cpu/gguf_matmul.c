@@ -313,17 +313,18 @@ static inline __m256i block_sums(const QMatmulArgs *a, int64_t n, int64_t b, con
     return _mm256_add_epi32(_mm256_madd_epi16(w_lo, x_lo), _mm256_madd_epi16(w_hi, x_hi));
 }
 
-/* Block b of W row n against block b of int16 x row i, scales and Q4's minimum applied: the
- * blocks past the last group of eight. */
-static float lone_block_dot(const QMatmulArgs *a, const Int16Rows *x16, int64_t n, int64_t i,
-                            int64_t b) {
+/* out plus block b of W row n against block b of int16 x row i, scales and Q4's minimum
+ * applied (added to out one after the other: sampled answers follow the last bit): the blocks
+ * past the last group of eight. */
+static float add_lone_block(const QMatmulArgs *a, const Int16Rows *x16, int64_t n, int64_t i,
+                            int64_t b, float out) {
     int64_t blocks = a->k / BLOCK;
     __m256i v = block_sums(a, n, b, x16->q + i * a->k);
     __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     h = _mm_hadd_epi32(h, h);
     h = _mm_hadd_epi32(h, h);
-    float out = half_to_float(a->scales[n * blocks + b]) * x16->scale[i * blocks + b]
-                * (float)_mm_cvtsi128_si32(h);
+    out += half_to_float(a->scales[n * blocks + b]) * x16->scale[i * blocks + b]
+           * (float)_mm_cvtsi128_si32(h);
     if (a->kind == KIND_Q4) out += half_to_float(a->mins[n * blocks + b]) * x16->sum[i * blocks + b];
     return out;
 }
@@ -351,7 +352,7 @@ static float int16_row_dot(const QMatmulArgs *a, const Int16Rows *x16, int64_t n
         }
     }
     float out = sum_avx2(acc) + sum_avx2(acc_min);
-    for (; b < blocks; b++) out += lone_block_dot(a, x16, n, i, b);
+    for (; b < blocks; b++) out = add_lone_block(a, x16, n, i, b, out);
     return out;
 }
 
@@ -391,7 +392,7 @@ static inline __attribute__((always_inline)) void int16_tile_dot(
     }
     for (int r = 0; r < rows; r++) {
         float out = sum_avx2(acc[r]);
-        for (int64_t t = b; t < blocks; t++) out += lone_block_dot(a, x16, n, i + r, t);
+        for (int64_t t = b; t < blocks; t++) out = add_lone_block(a, x16, n, i + r, t, out);
         a->y[(i + r) * a->stride_y + n] = out;
     }
 }
