@@ -19,6 +19,10 @@ class EngineDeadError(EngineUnavailableError):
     """The engine stopped serving for good (its workers could not be rebuilt)."""
 
 
+class WorkerLostError(RuntimeError):
+    """A worker died or failed a step; the engine cannot go on (it rebuilds the group)."""
+
+
 class EngineInternalError(RuntimeError):
     """The engine failed while serving the request; the request is over, the engine goes on."""
 
@@ -29,4 +33,5 @@ __all__ = [
     "EngineUnavailableError",
     "InvalidRequestError",
     "OverloadedError",
+    "WorkerLostError",
 ]

@@ -1,11 +1,13 @@
 """How a step plan reaches the workers. The scheduler only ever calls ``execute``; whoever
 builds a transport closes it when its workers go.
 
-On Ray the default is a compiled graph (``--step-transport compiled_graph``, Ray Compiled
-Graphs): the plan is written once into a shared-memory channel every rank reads, and each
-rank's reply comes back on a channel of its own, with no task submitted per step. Measured
-here (two CPU actors, a 2 KB plan, loopback): 0.24 ms a round trip, against 1.23 ms for two
-actor calls. ``actor_calls`` keeps one ``execute.remote`` per rank per step.
+On Ray, beside GPUs the default is a compiled graph (``--step-transport compiled_graph``, Ray
+Compiled Graphs): the plan is written once into a shared-memory channel every rank reads, and
+each rank's reply comes back on a channel of its own, with no task submitted per step.
+Measured here (two CPU actors, a 2 KB plan, loopback): 0.24 ms a round trip, against 1.23 ms
+for two actor calls. Its readers spin on a core each, so CPU workers default to ``socket``
+(``cluster.socket_transport``: a TCP connection per rank, nothing spinning). ``actor_calls``
+keeps one ``execute.remote`` per rank per step.
 """
 
 from __future__ import annotations
@@ -14,12 +16,10 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
+from cluster.errors import WorkerLostError
+from cluster.socket_transport import SocketTransport
 from kvcore import decode, encode
 from workers.protocol import StepPlan, StepResult
-
-
-class WorkerLostError(RuntimeError):
-    """A worker died or failed a step; the engine cannot go on."""
 
 
 class StepTransport(Protocol):
@@ -141,9 +141,13 @@ class CompiledGraphTransport:
             graph.teardown()
 
 
-STEP_TRANSPORTS = {"compiled_graph": CompiledGraphTransport, "actor_calls": RayActorTransport}
+STEP_TRANSPORTS = {
+    "compiled_graph": CompiledGraphTransport,
+    "socket": SocketTransport,
+    "actor_calls": RayActorTransport,
+}
 
 
-def ray_transport(kind: str, actors: list) -> CompiledGraphTransport | RayActorTransport:
+def ray_transport(kind: str, actors: list) -> StepTransport:
     """The transport ``--step-transport`` names, over one worker group's actors."""
     return STEP_TRANSPORTS[kind](actors)

@@ -10,9 +10,9 @@ decoded at 20 tok/s stepped on a second thread, 35 on the loading one, two cores
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 from workers.parallel import pick_rendezvous
+from workers.step_channel import ChannelListener
+from workers.torch_thread import TorchThread
 from workers.worker import Worker, WorkerOptions
 
 
@@ -20,11 +20,11 @@ class WorkerActor(Worker):
     """A ``Worker`` plus what only makes sense inside a Ray actor."""
 
     def __init__(self, rank: int, options: WorkerOptions):
-        self._torch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvray-torch")
+        self._torch_thread = TorchThread()
         self._run(super().__init__, rank, options)
 
     def _run(self, method, *args):
-        return self._torch_thread.submit(method, *args).result()
+        return self._torch_thread.run(method, *args)
 
     def init_tp_group(self, init_method: str | None) -> int:
         return self._run(super().init_tp_group, init_method)
@@ -49,6 +49,20 @@ class WorkerActor(Worker):
 
     def shutdown(self) -> None:
         return self._run(super().shutdown)
+
+    def open_step_channel(self) -> tuple[str, int, bytes]:
+        """Listen for the owner's step channel (``workers.step_channel``): the host and port
+        to connect to and the token to send first. Steps sent over it run on the torch
+        thread like ``execute``; a new channel replaces the old one."""
+        import ray
+
+        listener = ChannelListener(ray.util.get_node_ip_address())
+        worker_execute = super().execute
+        listener.accept_in_background(
+            lambda conn: self._torch_thread.serve_channel(conn, worker_execute)
+        )
+        host, port = listener.address
+        return host, port, listener.token
 
     def rendezvous_address(self) -> str:
         """A free ``tcp://`` address on this actor's node, for rank 0 to host the TP group."""

@@ -33,9 +33,11 @@ def reference_tokens():
         return greedy_tokens(server.address)
 
 
-@pytest.mark.parametrize(
-    "tp,transport", [(1, "compiled_graph"), (2, "compiled_graph"), (2, "actor_calls")]
-)
+TRANSPORTS = [(1, "compiled_graph"), (2, "compiled_graph"), (2, "actor_calls")]
+TRANSPORTS += [(1, "socket"), (2, "socket")]
+
+
+@pytest.mark.parametrize("tp,transport", TRANSPORTS)
 def test_controller_serves_the_same_tokens(local_ray, reference_tokens, tp, transport):
     cpus = 3 - tp  # TP 1 on two CPUs; TP 2 on one each
     handle, address = serve(
@@ -60,9 +62,7 @@ def test_controller_serves_the_same_tokens(local_ray, reference_tokens, tp, tran
         stop(handle)
 
 
-@pytest.mark.parametrize(
-    "tp,transport", [(1, "compiled_graph"), (2, "compiled_graph"), (2, "actor_calls")]
-)
+@pytest.mark.parametrize("tp,transport", TRANSPORTS)
 def test_a_lost_worker_fails_its_streams_and_the_group_is_rebuilt(
     local_ray, reference_tokens, tp, transport
 ):
@@ -116,7 +116,7 @@ def test_by_default_cpu_ranks_share_the_node(local_ray):
 def test_the_step_transport_defaults_to_a_compiled_graph_beside_gpus_only():
     # A compiled graph's readers spin on a core each, which CPU workers compute with.
     assert EngineConfig().for_workers_on(use_gpu=True).step_transport == "compiled_graph"
-    assert EngineConfig().for_workers_on(use_gpu=False).step_transport == "actor_calls"
+    assert EngineConfig().for_workers_on(use_gpu=False).step_transport == "socket"
     chosen = EngineConfig(step_transport="compiled_graph").for_workers_on(use_gpu=False)
     assert chosen.step_transport == "compiled_graph"
     with pytest.raises(ValueError, match="step_transport"):
