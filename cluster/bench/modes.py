@@ -63,6 +63,7 @@ def throughput(config: EngineConfig, args) -> list[dict]:
         stats = engine_stats(address, api_key)
     output_tokens = sum(t.num_output_tokens for t in timings)
     total_tokens = output_tokens + sum(t.num_prompt_tokens for t in timings)
+    latencies = latency_summary(timings, wall)
     rows = [
         {
             "engine": label,
@@ -70,6 +71,9 @@ def throughput(config: EngineConfig, args) -> list[dict]:
             "duration_s": wall,
             "output_tokens_per_s": output_tokens / wall,
             "total_tokens_per_s": total_tokens / wall,
+            # Decode speed apart from the prefill (a peer's "eval" rate is this one).
+            "ttft_ms_median": latencies["ttft_ms_median"],
+            "tpot_ms_median": latencies["tpot_ms_median"],
             **stats,
         }
     ]

@@ -62,6 +62,8 @@ def test_throughput_against_transformers(tmp_path):
     assert kvray["total_tokens_per_s"] > kvray["output_tokens_per_s"]
     assert 0 <= kvray["kv_memory_waste"] < 1
     assert kvray["num_steps"] > 0 and kvray["step_overhead_median_ms"] > 0
+    # Every request streams 4+ tokens: a time to the first and a time per later one.
+    assert kvray["tpot_ms_median"] > 0 and 0 < kvray["ttft_ms_median"] < kvray["duration_s"] * 1e3
     assert hf["kvray_speedup"] == pytest.approx(
         kvray["output_tokens_per_s"] / hf["output_tokens_per_s"]
     )
