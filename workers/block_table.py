@@ -2,7 +2,9 @@
 
 Each request owns a row of one host tensor for as long as the worker holds it; a step's
 deltas append to the rows, and the step's table is its requests' rows gathered in one
-``index_select``. Nothing is rebuilt from Python lists each step.
+``index_select``. Nothing is rebuilt from Python lists each step, and a step whose requests
+and blocks are the last step's (most decode steps: a block holds 16 tokens) gets the same
+gathered table again. Readers must not write into it.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ class BlockTable:
         self._lens = [0] * num_rows  # blocks in each row
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self._row_of: dict[str, int] = {}
+        self._version = 0  # moves with every change to the table
+        self._last_rows: tuple | None = None  # (request ids, version, their gathered rows)
 
     def add(self, request_id: str, block_ids: list[int]) -> None:
         if not self._free_rows:
             self._grow()
         row = self._free_rows.pop()
+        self._version += 1
         self._row_of[request_id] = row
         self._lens[row] = 0
         self._table[row].zero_()  # a reused row: padding stays the null block
@@ -31,6 +36,7 @@ class BlockTable:
         if not block_ids:
             return
         row = self._row_of[request_id]
+        self._version += 1
         start = self._lens[row]
         if start + len(block_ids) > self.width:
             raise ValueError(
@@ -45,6 +51,7 @@ class BlockTable:
     def remove(self, request_id: str) -> None:
         row = self._row_of.pop(request_id, None)
         if row is not None:
+            self._version += 1
             self._free_rows.append(row)
 
     def num_blocks(self, request_id: str) -> int:
@@ -53,10 +60,15 @@ class BlockTable:
     def rows(self, request_ids: list[str]) -> torch.Tensor:
         """``[len(request_ids), width]`` int32: each request's blocks, then zeros (the null
         block), cut to the longest of these requests."""
+        last = self._last_rows
+        if last is not None and last[1] == self._version and last[0] == request_ids:
+            return last[2]
         rows = [self._row_of[r] for r in request_ids]
         width = max((self._lens[row] for row in rows), default=1)
         index = torch.tensor(rows, dtype=torch.int64, device="cpu")
-        return self._table[:, : max(width, 1)].index_select(0, index)
+        gathered = self._table[:, : max(width, 1)].index_select(0, index)
+        self._last_rows = (list(request_ids), self._version, gathered)
+        return gathered
 
     def _grow(self) -> None:
         old = self._table.shape[0]

@@ -13,8 +13,10 @@ Where there is no compiler, ``decode_kernel()`` is None and callers use the torc
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import functools
+import itertools
 import logging
 import subprocess
 from pathlib import Path
@@ -169,28 +171,29 @@ def _work_split(
     reads. Every layer of a step passes the same sequence lengths, so the split is made once
     per step (it was ten small ops per layer): it is reused while the lengths and settings
     are those of the split before (compared by value, so a buffer rewritten in place is
-    never mistaken for the last step's)."""
-    num_threads = max(1, min(torch.get_num_threads(), MAX_THREADS, len(seq_lens) * num_kv_heads))
-    key = (num_kv_heads, sliding_window, num_threads)
+    never mistaken for the last step's). Made in Python: a decode batch's few lengths cost
+    less in a loop than in torch ops, which run slowly right after a forward."""
+    lengths = seq_lens.tolist()
+    num_threads = max(1, min(torch.get_num_threads(), MAX_THREADS, len(lengths) * num_kv_heads))
+    key = (num_kv_heads, sliding_window, num_threads, lengths)
     cached = _last_split[0]
-    if cached is not None and cached[0] == key and torch.equal(cached[1], seq_lens):
-        return cached[2]
-    items = torch.arange(len(seq_lens) * num_kv_heads, dtype=torch.int64, device="cpu")
-    work = seq_lens.to(torch.int64).repeat_interleave(num_kv_heads)
-    if sliding_window is not None:
-        work = work.clamp(max=sliding_window)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    work = [n if sliding_window is None else min(n, sliding_window) for n in lengths]
+    work = [n for n in work for _ in range(num_kv_heads)]
+    items = torch.arange(len(work), dtype=torch.int64, device="cpu")
     split = (items, _split(work, num_threads), num_threads)
-    _last_split[0] = (key, seq_lens.clone(), split)
+    _last_split[0] = (key, split)
     return split
 
 
-def _split(work: torch.Tensor, num_parts: int) -> torch.Tensor:
-    """``num_parts + 1`` offsets into ``work`` that cut it into parts of about equal sums."""
-    total = torch.cumsum(work, 0)
-    targets = torch.arange(1, num_parts, dtype=torch.int64, device="cpu") * total[-1] // num_parts
-    inner = torch.searchsorted(total, targets, right=True)
-    ends = torch.tensor([0, work.numel()], dtype=torch.int64, device="cpu")
-    return torch.cat([ends[:1], inner, ends[1:]]).contiguous()
+def _split(work: list[int], num_parts: int) -> torch.Tensor:
+    """``num_parts + 1`` offsets into ``work`` that cut it into parts of about equal sums:
+    part k ends after the last item whose running sum is at most k / num_parts of the
+    total."""
+    totals = list(itertools.accumulate(work))
+    inner = [bisect.bisect_right(totals, k * totals[-1] // num_parts) for k in range(1, num_parts)]
+    return torch.tensor([0, *inner, len(work)], dtype=torch.int64, device="cpu")
 
 
 def _check_host_memory(**tensors: torch.Tensor) -> None:

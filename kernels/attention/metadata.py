@@ -17,6 +17,9 @@ import torch
 
 from kernels.host import HOST
 
+# Steps of up to this many tokens compute their slots in a Python loop, longer ones in torch.
+LOOP_MAX_TOKENS = 128
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -67,19 +70,8 @@ def build_attention_metadata(
         starts.append(starts[-1] + query_len)
     is_ready = isinstance(block_tables, torch.Tensor)
     table = block_tables if is_ready else _block_table(block_tables)
-    # One vectorised pass over every token, not a loop per request: this runs every step. It
-    # runs on the host (the lists live there); only the results move to ``device``.
-    query_len_t = torch.tensor(list(query_lens), dtype=torch.int64, device=HOST)
-    request_of = torch.repeat_interleave(
-        torch.arange(len(query_lens), device=HOST), query_len_t
-    )  # [T]
-    first_position = torch.tensor(list(seq_lens), dtype=torch.int64, device=HOST) - query_len_t
-    starts_t = torch.tensor(starts[:-1], dtype=torch.int64, device=HOST)
-    offsets = torch.arange(num_actual, device=HOST) - starts_t[request_of]
-    positions = first_position[request_of] + offsets
-    blocks = table[request_of, positions // block_size].to(torch.int64)
-    slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=HOST)
-    slots[:num_actual] = blocks * block_size + positions % block_size
+    slot_of = _slots_by_loop if num_actual <= LOOP_MAX_TOKENS else _slots_by_tensors
+    slots = slot_of(query_lens, seq_lens, starts, table, block_size, num_tokens)
     return AttentionMetadata(
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
@@ -91,6 +83,36 @@ def build_attention_metadata(
         query_start_loc_cpu=tuple(starts),
         seq_lens_cpu=tuple(seq_lens),
     )
+
+
+def _slots_by_loop(query_lens, seq_lens, starts, table, block_size, num_tokens) -> torch.Tensor:
+    """The slot mapping of a step of a few tokens (decode steps), in plain Python: each torch
+    op costs a few microseconds, and ten times that right after a forward has streamed the
+    weights through the caches, more than a loop over a few dozen tokens."""
+    slots = []
+    for row, query_len, seq_len in zip(table.tolist(), query_lens, seq_lens, strict=True):
+        for position in range(seq_len - query_len, seq_len):
+            slots.append(row[position // block_size] * block_size + position % block_size)
+    slots += [-1] * (num_tokens - len(slots))
+    return torch.tensor(slots, dtype=torch.int64, device=HOST)
+
+
+def _slots_by_tensors(query_lens, seq_lens, starts, table, block_size, num_tokens) -> torch.Tensor:
+    """The slot mapping of a step of many tokens (prefill chunks): one vectorised pass over
+    every token, on the host (the lists live there)."""
+    num_actual = starts[-1]
+    query_len_t = torch.tensor(list(query_lens), dtype=torch.int64, device=HOST)
+    request_of = torch.repeat_interleave(
+        torch.arange(len(query_lens), device=HOST), query_len_t
+    )  # [T]
+    first_position = torch.tensor(list(seq_lens), dtype=torch.int64, device=HOST) - query_len_t
+    starts_t = torch.tensor(starts[:-1], dtype=torch.int64, device=HOST)
+    offsets = torch.arange(num_actual, device=HOST) - starts_t[request_of]
+    positions = first_position[request_of] + offsets
+    blocks = table[request_of, positions // block_size].to(torch.int64)
+    slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=HOST)
+    slots[:num_actual] = blocks * block_size + positions % block_size
+    return slots
 
 
 def _block_table(block_tables: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.attention import metadata as metadata_module
 from kernels.attention.metadata import build_attention_metadata
 
 
@@ -45,3 +46,27 @@ def test_bad_batches_are_refused(args, message):
 def test_padding_cannot_shrink_the_batch():
     with pytest.raises(ValueError, match="num_tokens=1 is less than the 2 query tokens"):
         build_attention_metadata([2], [2], [[0]], 16, num_tokens=1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_python_loop_and_the_tensor_pass_give_the_same_slots(monkeypatch, seed):
+    generator = torch.Generator().manual_seed(seed)
+    num_reqs, block_size = 6, 16
+
+    def draw(high: int) -> int:
+        return int(torch.randint(1, high, (1,), generator=generator))
+
+    seq_lens = [draw(200) for _ in range(num_reqs)]
+    query_lens = [min(s, draw(4) if seed % 2 else draw(40)) for s in seq_lens]
+    width = max(-(-s // block_size) for s in seq_lens) + 1
+    table = torch.randint(1, 500, (num_reqs, width), generator=generator, dtype=torch.int32)
+    padded = sum(query_lens) + 3
+    built = {}
+    for limit in (0, 10_000):  # every step by tensors, then every step by the loop
+        monkeypatch.setattr(metadata_module, "LOOP_MAX_TOKENS", limit)
+        built[limit] = build_attention_metadata(
+            query_lens, seq_lens, table, block_size, num_tokens=padded
+        )
+    assert torch.equal(built[0].slot_mapping, built[10_000].slot_mapping)
+    assert built[0].slot_mapping.dtype == built[10_000].slot_mapping.dtype == torch.int64
+    assert built[0].slot_mapping[-3:].tolist() == [-1, -1, -1]

@@ -31,3 +31,18 @@ def test_the_table_grows_past_its_first_rows_and_refuses_overlong_requests():
     with pytest.raises(ValueError, match="exceed the 2 a request of max_model_len can hold"):
         table.append("r0", [11])
     assert table.num_blocks("r0") == 2
+
+
+def test_an_unchanged_step_gets_the_same_rows_and_any_change_new_ones():
+    table = BlockTable(max_blocks_per_request=4, num_rows=2)
+    table.add("a", [3])
+    table.add("b", [5, 6])
+    first = table.rows(["a", "b"])
+    assert table.rows(["a", "b"]) is first  # the next decode step, no block added
+    assert table.rows(["b", "a"]).tolist() == [[5, 6], [3, 0]]
+    table.append("a", [7])
+    assert table.rows(["a", "b"]).tolist() == [[3, 7], [5, 6]]
+    table.remove("b")
+    table.add("c", [9])  # takes b's row
+    assert table.rows(["a", "c"]).tolist() == [[3, 7], [9, 0]]
+    assert first.tolist() == [[3, 0], [5, 6]]  # a gathered table is never written into

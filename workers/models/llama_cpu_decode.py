@@ -15,6 +15,7 @@ rank all-reduces each block's output between the calls, as the row-parallel laye
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass, fields
 
 import torch
@@ -50,6 +51,11 @@ class _Buffers:
     gate_up: torch.Tensor
     activated: torch.Tensor
 
+    @functools.cached_property
+    def pointers(self) -> dict[str, int]:
+        """Each buffer's address by its name, which is the step structure's field name."""
+        return {f.name: getattr(self, f.name).data_ptr() for f in fields(self)}
+
 
 class CpuDecodePath:
     """Built once a model's weights are loaded; ``forward`` returns None for a step it does
@@ -61,7 +67,8 @@ class CpuDecodePath:
         layers = model.layers
         first = layers[0].self_attn
         self.rotary = first.rotary_emb
-        self.layer_names = [layer.self_attn.attn.layer_name for layer in layers]
+        self.attentions = [layer.self_attn.attn for layer in layers]
+        self.layer_names = [attention.layer_name for attention in self.attentions]
         self.params = first.attn.params
         self.num_heads, self.num_kv_heads = first.attn.num_heads, first.attn.num_kv_heads
         self.head_size = first.attn.head_size
@@ -198,8 +205,6 @@ class CpuDecodePath:
             softcap=0.0,
             items=items.data_ptr(),
         )
-        # The scratch buffers go by the structure's own field names.
-        pointers = {f.name: getattr(buffers, f.name).data_ptr() for f in fields(buffers)}
         decoder_step = cpu_decoder.DecoderStep(
             rows=hidden.shape[0],
             residual=hidden.data_ptr(),
@@ -210,14 +215,14 @@ class CpuDecodePath:
             attention=attention,
             bounds=bounds.data_ptr(),
             num_threads=num_threads,
-            **pointers,
+            **buffers.pointers,
         )
         return decoder_step, (cos, sin, slots, block_table, seq_lens, token_of, items, bounds)
 
     def _bind_caches(self) -> bool:
         """Point the layer structures at the layers' cache views (again after a rebind)."""
         layers = self.model.layers
-        caches = tuple(layer.self_attn.attn.kv_cache for layer in layers)
+        caches = tuple(attention.kv_cache for attention in self.attentions)
         if self._caches is not None and all(
             a is b for a, b in zip(caches, self._caches, strict=True)
         ):
