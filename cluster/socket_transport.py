@@ -48,6 +48,8 @@ class _RankChannel:
                 length, status = HEADER.unpack(await reader.readexactly(HEADER.size))
                 payload = await reader.readexactly(length)
                 reply = self.waiting.popleft()
+                if reply.done():  # its step was cancelled: the engine is tearing down
+                    continue
                 if status == OK:
                     reply.set_result(payload)
                 else:

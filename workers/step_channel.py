@@ -28,9 +28,6 @@ HEADER = struct.Struct("<IB")
 OK, FAILED = 0, 1
 TOKEN_BYTES = 16
 AUTH_TIMEOUT_S = 10.0
-# How long the listener waits for its owner to connect before giving up (startup is long
-# past by then: the owner connects right after it learns the address).
-ACCEPT_TIMEOUT_S = 120.0
 
 
 def frame(status: int, payload: bytes) -> bytes:
@@ -62,8 +59,9 @@ class ChannelListener:
 
     def __init__(self, host: str):
         self.token = secrets.token_bytes(TOKEN_BYTES)
+        # No deadline to connect: the owner connects at its first step, which waits for the
+        # first request (hours, on a quiet server).
         self._socket = socket.create_server((host, 0))
-        self._socket.settimeout(ACCEPT_TIMEOUT_S)
         self.address = self._socket.getsockname()[:2]
 
     def accept_in_background(self, on_connected) -> None:
@@ -84,7 +82,7 @@ class ChannelListener:
                     return
                 logger.warning("Dropped a step-channel connection from %s: bad token", peer)
                 conn.close()
-        except OSError as exc:  # the timeout included: the owner never came
+        except OSError as exc:
             logger.warning("The step channel was never connected: %s", exc)
         finally:
             self._socket.close()
