@@ -29,10 +29,13 @@ def running_engine(config: EngineConfig, *, in_process: bool = False) -> Iterato
     model_config_for(config.model)  # a missing or unsupported model fails before Ray starts
 
     # The engine's own logs would interleave with the command's output; keep them off stdout.
+    # A cluster started here lives for this command only: no dashboard, whose processes would
+    # take CPU from the engine (a running cluster is joined as it is).
     ray.init(
         address=os.environ.get("RAY_ADDRESS") or None,
         log_to_driver=False,
         logging_level=logging.WARNING,
+        include_dashboard=False,
     )
     handle, info = start_controller(config)
     try:

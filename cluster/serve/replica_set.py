@@ -7,10 +7,12 @@ which aborts the request on its replica.
 
 Errors the replica raised come back as themselves (an invalid request stays one), and what
 Serve raises maps to the engine's own: no replica taking requests is UNAVAILABLE, every
-replica's queue full is RESOURCE_EXHAUSTED."""
+replica's queue full is RESOURCE_EXHAUSTED. A request a replica turned away as unavailable
+before streaming anything (its engine had just died) is sent again, to another replica."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 
 from ray.exceptions import RayActorError, RayTaskError
@@ -31,6 +33,12 @@ from cluster.startup import max_model_len_for
 from kvcore import encode
 from workers.model_source import load_tokenizer_for
 from workers.sampling import SamplingParams
+
+# A request a replica answered as unavailable before it streamed anything is sent again this
+# many times, this far apart: for up to 4 s, by when the router has had the replica's next
+# report (every 0.5 s, app.ROUTING_STATS_PERIOD_S) or Serve has failed its health check (2 s).
+RESEND_ATTEMPTS, RESEND_DELAY_S = 8, 0.5
+SERVE_ERRORS = (RayTaskError, RayActorError, BackPressureError, DeploymentUnavailableError)
 
 
 class ReplicaSet:
@@ -72,16 +80,27 @@ class ReplicaSet:
     async def generate(self, request: AdmittedRequest) -> AsyncIterator:
         if request.request_id in self._streams:
             raise InvalidRequestError(f"Request id {request.request_id!r} is already running.")
-        stream = self.handle.options(stream=True).generate.remote(encode(request))
-        self._streams[request.request_id] = stream
-        try:
-            async for output in stream:
-                yield output
-        except (RayTaskError, RayActorError, BackPressureError, DeploymentUnavailableError) as exc:
-            raise engine_error(exc) from None
-        finally:
-            self._streams.pop(request.request_id, None)
-            stream.cancel()  # a client that left: the replica aborts the request
+        for attempt in range(RESEND_ATTEMPTS + 1):
+            stream = self.handle.options(stream=True).generate.remote(encode(request))
+            self._streams[request.request_id] = stream
+            started = False
+            try:
+                async for output in stream:
+                    started = True
+                    yield output
+                return
+            except SERVE_ERRORS as exc:
+                error = engine_error(exc)
+                resend = not started and isinstance(error, EngineUnavailableError)
+                if not resend or attempt == RESEND_ATTEMPTS:
+                    raise error from None
+            finally:
+                self._streams.pop(request.request_id, None)
+                stream.cancel()  # a client that left: the replica aborts the request
+            # The replica could not serve it (its engine died or drains, and the router has
+            # not heard yet) and nothing was streamed: the request goes again, to another
+            # replica once the router has the replica's next report.
+            await asyncio.sleep(RESEND_DELAY_S)
 
     def abort(self, request_id: str) -> bool:
         stream = self._streams.pop(request_id, None)

@@ -1,7 +1,9 @@
 """The C decoder-layer kernels (``kernels/decoder/cpu/decoder_layer.c``) through ctypes: the
 structures they read, mirrored field for field, and the library, built at first use like the
-other CPU kernels. The GGUF matmul and the paged decode attention stay in their own libraries;
-their entry points are handed over in ``DecoderModel``."""
+other CPU kernels: two blocks per layer for GGUF weights, and the glue between projections
+(``residual_norm``, ``attend``, ``gated_silu``) for weights multiplied elsewhere. The GGUF
+matmul and the paged decode attention stay in their own libraries; their entry points are
+handed over in ``DecoderModel``."""
 
 from __future__ import annotations
 
@@ -92,7 +94,8 @@ def decoder_library():
     if cpu_matmul.kernel() is None or decode_kernel() is None:
         return None
     try:
-        library = ctypes.CDLL(str(build_library(SOURCE, ())))
+        # -fopenmp: gated_silu's threads are the OpenMP pool torch has already started.
+        library = ctypes.CDLL(str(build_library(SOURCE, ("-fopenmp",))))
     except OSError as exc:
         logger.warning("CPU decoder-layer kernel unavailable (%s)", exc)
         return None
@@ -101,11 +104,16 @@ def decoder_library():
         ctypes.POINTER(DecoderLayer),
         ctypes.POINTER(DecoderStep),
     ]
-    for name in ("attention_block", "mlp_block"):
+    for name in ("attention_block", "mlp_block", "attend"):
         function = getattr(library, name)
         function.argtypes, function.restype = arguments, ctypes.c_int
-    library.final_norm.argtypes = [ctypes.POINTER(DecoderModel), _ptr, ctypes.POINTER(DecoderStep)]
-    library.final_norm.restype = ctypes.c_int
+    library.residual_norm.argtypes = [
+        ctypes.POINTER(DecoderModel),
+        _ptr,
+        ctypes.POINTER(DecoderStep),
+    ]
+    library.gated_silu.argtypes = [ctypes.POINTER(DecoderModel), ctypes.POINTER(DecoderStep)]
+    library.residual_norm.restype = library.gated_silu.restype = ctypes.c_int
     return library
 
 

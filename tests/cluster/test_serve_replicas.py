@@ -136,17 +136,22 @@ def test_kv_aware_routing_keeps_each_prefix_where_it_is_cached(http_port):
     assert all(n >= 0.3 * total for n in finished.values()), finished
 
 
-def test_a_replica_whose_worker_dies_is_replaced_while_the_other_serves(http_port):
+def test_a_replica_whose_worker_dies_is_replaced_while_the_other_serves(http_port, monkeypatch):
+    # Reports far apart: the router goes on taking the dead replica for a live one a while.
+    monkeypatch.setattr(app, "ROUTING_STATS_PERIOD_S", 2.5)
     address = deploy(http_port, data_parallel_size=2, **SMALL)
     before = set(replicas(address))
     outcomes: list[str] = []
+    started = threading.Semaphore(0)
 
     def stream(index: int) -> None:
         try:
             with Client(address, timeout=120) as client:
                 prompt = [index + 1] * (20 + index)
-                for _ in client.stream(prompt, max_tokens=300, ignore_eos=True, temperature=0):
-                    pass
+                deltas = client.stream(prompt, max_tokens=300, ignore_eos=True, temperature=0)
+                for number, _ in enumerate(deltas):
+                    if number == 0:
+                        started.release()
             outcomes.append("finished")
         except UnavailableError:
             outcomes.append("unavailable")
@@ -154,22 +159,22 @@ def test_a_replica_whose_worker_dies_is_replaced_while_the_other_serves(http_por
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
     for thread in threads:
         thread.start()
-    wait_for(
-        lambda: all(r["num_running_requests"] >= 1 for r in replicas(address).values()),
-        what="streams running on both replicas",
-    )
+    for _ in threads:  # every stream running (two per replica: the router spreads them)
+        assert started.acquire(timeout=120)
     # One replica's worker (whichever replica the router picks for the call).
     engine_replicas = serve.get_deployment_handle("EngineReplica", app_name=app.APP_NAME)
     ray.kill(engine_replicas.worker_actors.remote().result()[0])
-    for thread in threads:
-        thread.join(timeout=180)
-    assert sorted(outcomes) == ["finished", "finished", "unavailable", "unavailable"], outcomes
-    # New requests go to the replica that still serves, then to its new sibling too.
+    wait_for(lambda: outcomes.count("unavailable") == 2, what="the lost replica's streams failing")
+    # Before the router has the dead replica's report, which is then the least loaded: new
+    # requests are still answered, by the replica that serves.
     with Client(address) as client:
         assert all(
             len(client.generate([9, 9, i], max_tokens=3, temperature=0).token_ids) == 3
             for i in range(4)
         )
+    for thread in threads:
+        thread.join(timeout=180)
+    assert sorted(outcomes) == ["finished", "finished", "unavailable", "unavailable"], outcomes
     wait_for(lambda: len(set(replicas(address)) - before) == 1, what="the replacement replica")
     (new,) = set(replicas(address)) - before
     with Client(address) as client:

@@ -69,6 +69,33 @@ def test_fast_paths_match_dense_attention(layout, dtype_name):
     assert failures == []
 
 
+@pytest.mark.parametrize("head_size", [64, 48, 40])
+def test_decode_at_model_head_sizes_matches_dense_attention(head_size):
+    """Head sizes of 16k take the kernel's AVX-512 loop where the CPU has it (64: the common
+    one, 48: not a power of two); 40 takes the portable one. Decode and mixed batches, every
+    feature but softcap (which the portable loop serves), float32."""
+    backend = TorchAttentionBackend()
+    generator = torch.Generator().manual_seed(head_size)
+    failures = []
+    for group_name, (num_q_heads, num_kv_heads) in HEAD_GROUPS.items():
+        spec = kvcore.FullAttentionSpec(
+            block_size=16, num_kv_heads=num_kv_heads, head_size=head_size, dtype="float32"
+        )
+        num_blocks = max(blocks_needed(r, 16) for r in BATCHES.values()) + 2
+        cache = make_cache("LBHNC", spec, num_blocks)
+        for batch_name in ("decode", "mixed"):
+            batch = make_batch(cache, BATCHES[batch_name], num_q_heads, generator)
+            for feature, extra in features(num_q_heads).items():
+                params = AttentionParams(scale=head_size**-0.5, num_kv_heads=num_kv_heads, **extra)
+                shape = (batch.query.shape[0], num_q_heads, head_size)
+                unwritten = poisoned(shape, batch.query.dtype)
+                out = backend.attend(batch.query, cache.view, batch.metadata, params, unwritten)
+                error = relative_error(out, dense_outputs(batch, params))
+                if error > TOLERANCES["float32"]:
+                    failures.append(f"{group_name}/{batch_name}/{feature}: {error:.2e}")
+    assert failures == []
+
+
 @pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
 def test_kernel_block_split_views(layout):
     """Manager blocks of 16 tokens over kernel blocks of 4: slots map through both."""

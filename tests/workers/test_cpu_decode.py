@@ -1,7 +1,8 @@
 """The C decoder-layer path (``workers.models.llama_cpu_decode``) takes the short steps (decode,
 and prefill chunks of up to 32 tokens) of a Llama whose projections are kept in GGUF blocks,
-and each of its steps gives the hidden states the torch modules give for the same step; a
-step or a model it cannot serve goes through the modules. Speculative verification through it
+or whose weights are float32 (the C glue between torch's projections), and each of its steps
+gives the hidden states the torch modules give for the same step; a step or a model it
+cannot serve goes through the modules. Speculative verification through it
 is in tests/cluster/test_speculative_decoding.py."""
 
 from __future__ import annotations
@@ -128,13 +129,76 @@ def test_two_ranks_reduce_between_the_c_blocks(quantized_files):
     assert min(steps) > 0 and len(set(steps)) == 1, steps
 
 
-def test_models_the_c_layers_cannot_compute_go_through_the_modules(quantized_files):
-    # Fused QKV and gate-up of mixed types are dequantized (workers.quantization).
-    mixed = start_worker(gguf_options(quantized_files["mixed"][1]), "LBNHC")
-    dense = start_worker(gguf_options(quantized_files["all"][1], quantization="none"), "LBNHC")
-    for worker in (mixed, dense):
-        run_requests(worker, [[("r", PROMPTS[1], 4, None)]], chunk=64)
-        assert worker.model.model._cpu_decode is None  # looked at, at the first step
+@pytest.mark.parametrize("layout", ["LBNHC", "BHLNC"])
+def test_float_weights_go_through_the_c_glue_and_equal_transformers(
+    tmp_path, compared_steps, layout
+):
+    hf_dir = save_model("llama", tmp_path / "llama")
+    worker = start_worker(tiny_model_options(hf_dir, dtype="float32"), layout)
+    requests = [(f"r{i}", prompt, 12, None) for i, prompt in enumerate(PROMPTS)]
+    outputs = run_requests(worker, [requests], chunk=7)
+    assert [outputs[f"r{i}"] for i in range(len(PROMPTS))] == reference_generations(
+        hf_dir, PROMPTS, 12
+    )
+    path_taken = worker.model.model._cpu_decode
+    assert isinstance(path_taken, CpuDecodePath) and not path_taken.fused
+    assert {1, 2, 3} <= set(compared_steps), compared_steps
+    assert max(compared_steps) > len(PROMPTS), compared_steps  # prefill chunks too
+    assert path_taken.num_steps == len(compared_steps)
+
+
+def test_a_decode_batch_past_the_fused_bound_goes_through_the_c_glue(tmp_path, compared_steps):
+    # 40 requests decode together: more rows than the GGUF blocks take, and the scratch
+    # grows past its first size.
+    hf_dir = save_model("llama", tmp_path / "llama")
+    worker = start_worker(tiny_model_options(hf_dir, dtype="float32"), "LBHNC")
+    prompts = [PROMPTS[i % len(PROMPTS)][: 5 + i % 7] for i in range(40)]
+    requests = [(f"r{i}", prompt, 4, None) for i, prompt in enumerate(prompts)]
+    outputs = run_requests(worker, [requests], chunk=64)
+    expected = reference_generations(hf_dir, prompts[:3], 4)
+    assert [outputs["r0"], outputs["r1"], outputs["r2"]] == expected
+    assert 40 in compared_steps, compared_steps
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_float_weights_with_a_half_precision_cache_go_through_the_c_glue(
+    tmp_path, compared_steps, cache_dtype
+):
+    hf_dir = save_model("llama", tmp_path / "llama")
+    name = str(cache_dtype).removeprefix("torch.")
+    options = tiny_model_options(hf_dir, dtype="float32", kv_cache_dtype=name)
+    worker = start_worker(options, "BLNHC")
+    requests = [(f"r{i}", prompt, 10, None) for i, prompt in enumerate(PROMPTS)]
+    run_requests(worker, [requests], chunk=6)
+    assert not worker.model.model._cpu_decode.fused
+    assert {1, 2, 3} <= set(compared_steps), compared_steps
+
+
+def test_two_ranks_reduce_between_the_c_glue_calls(tmp_path):
+    hf_dir = save_model("llama", tmp_path / "llama")
+    batch = [[(f"r{i}", prompt, 10, None) for i, prompt in enumerate(PROMPTS[:2])]]
+    options = tiny_model_options(hf_dir, dtype="float32", tp=2)
+    outputs, steps = run_tensor_parallel(options, "BLHNC", batch, chunk=5, probe=rank_steps)
+    assert [outputs["r0"], outputs["r1"]] == reference_generations(hf_dir, PROMPTS[:2], 10)
+    assert min(steps) > 0 and len(set(steps)) == 1, steps
+
+
+def test_mixed_gguf_types_go_through_the_c_glue(quantized_files, compared_steps):
+    # Fused QKV and gate-up of mixed types are dequantized (workers.quantization): float
+    # projections beside GGUF blocks, each multiplied as the modules multiply it.
+    worker = start_worker(gguf_options(quantized_files["mixed"][1]), "LBNHC")
+    run_requests(worker, [[("r", PROMPTS[1], 4, None)]], chunk=64)
+    path_taken = worker.model.model._cpu_decode
+    assert isinstance(path_taken, CpuDecodePath) and not path_taken.fused
+    assert path_taken.num_steps == len(compared_steps) > 0
+
+
+def test_models_the_c_layers_cannot_compute_go_through_the_modules(tmp_path):
+    # Qwen3's Q/K norms are not in the C glue.
+    hf_dir = save_model("qwen3-sliding", tmp_path / "qwen3")
+    worker = start_worker(tiny_model_options(hf_dir, dtype="float32"), "LBNHC")
+    run_requests(worker, [[("r", PROMPTS[1], 4, None)]], chunk=64)
+    assert worker.model.model._cpu_decode is None  # looked at, at the first step
 
 
 def quantize_in_place(worker, hf_dir) -> None:

@@ -1,15 +1,22 @@
 """Short steps of a Llama-family model on CPUs through the C decoder-layer kernels
-(``kernels.decoder.cpu_decoder``): two calls per layer where the torch modules dispatch some
-seventy small ops, which on two cores cost half of SmolLM2's decode step.
+(``kernels.decoder.cpu_decoder``), where the torch modules dispatch some seventy small ops per
+layer, which on two cores cost half of SmolLM2's decode step.
 
-It takes a step of up to 32 tokens (no padding) when the C kernels compute what the modules
-would: decode steps, and steps with several tokens per request (speculative verification,
-short prefill chunks), whose tokens the decode kernel reads as requests of their own. The
-layers must be plain Llama layers (gated SiLU MLP, no Q/K norms, no sinks or softcap, one
-sliding window for all), their four projections held as GGUF blocks, the cache float32,
-float16 or bfloat16, and every layer in one KV-cache group served by the torch backend. Any
-other step goes through the modules, as does a model that never qualifies. A tensor-parallel
-rank all-reduces each block's output between the calls, as the row-parallel layers do.
+Two forms. With the four projections of every layer held as GGUF blocks, a layer is two C
+calls (each block's projections inside them), for steps of up to 32 tokens. With any other
+weights (float32, oneDNN-packed, or a mix), the projections run as the modules run them and
+the glue between them is C: the residual add and norm, the rotary embedding, the cache write
+and the attention in one call, SiLU(gate) * up in another. That form takes decode steps of up
+to 256 requests (a batch of ``embedded:20m`` decode rows spent a third of its step in the
+small ops) and other steps of up to 32 tokens.
+
+A step with several new tokens per request (speculative verification, a short prefill chunk)
+is read by the decode kernel as one request per token. The layers must be plain Llama layers
+(gated SiLU MLP, no Q/K norms, no sinks or softcap, one sliding window for all, no bias on the
+row-parallel projections), the activations and norms float32, the cache float32, float16 or
+bfloat16, and every layer in one KV-cache group served by the torch backend. Any other step
+goes through the modules, as does a model that never qualifies. A tensor-parallel rank
+all-reduces each block's output between the calls, as the row-parallel layers do.
 """
 
 from __future__ import annotations
@@ -33,16 +40,20 @@ from kernels.decoder import cpu_decoder
 from kernels.quant import cpu_matmul
 from kernels.quant.gguf_blocks import QuantizedMatrix
 from workers.forward_context import get_forward_context
+from workers.layers.cpu_matmul import linear
 from workers.layers.mlp import MLP
 from workers.parallel import all_reduce
 
-MAX_ROWS = cpu_matmul.KERNEL_MAX_ROWS  # past it the modules' prefill-sized matmuls win
+FUSED_MAX_ROWS = cpu_matmul.KERNEL_MAX_ROWS  # past it the modules' prefill-sized matmuls win
+GLUE_MAX_ROWS = 32  # a step with more tokens than requests, past it the prefill kernel wins
+GLUE_MAX_DECODE_ROWS = 256
 
 
 @dataclass
 class _Buffers:
-    """One step's scratch, kept per row count (a decode batch keeps its size for a while)."""
+    """Scratch for steps of up to ``capacity`` rows; a step of fewer uses the first rows."""
 
+    capacity: int
     delta: torch.Tensor
     normed: torch.Tensor
     qkv: torch.Tensor
@@ -54,16 +65,34 @@ class _Buffers:
     @functools.cached_property
     def pointers(self) -> dict[str, int]:
         """Each buffer's address by its name, which is the step structure's field name."""
-        return {f.name: getattr(self, f.name).data_ptr() for f in fields(self)}
+        return {f.name: getattr(self, f.name).data_ptr() for f in fields(self)[1:]}
+
+
+@dataclass(frozen=True)
+class _Projections:
+    """One layer's four projections as ``workers.layers.cpu_matmul.linear`` takes them:
+    (weight, packed weight, bias)."""
+
+    qkv: tuple
+    o: tuple
+    gate_up: tuple
+    down: tuple
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> _Projections:
+        attention, mlp = layer.self_attn, layer.mlp
+        parts = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        return cls(*((p.weight, p.packed_weight, p.bias) for p in parts))
 
 
 class CpuDecodePath:
     """Built once a model's weights are loaded; ``forward`` returns None for a step it does
     not take."""
 
-    def __init__(self, model: nn.Module, library):
+    def __init__(self, model: nn.Module, library, *, fused: bool):
         self.model = model
         self.library = library
+        self.fused = fused  # GGUF blocks multiplied inside the C blocks
         layers = model.layers
         first = layers[0].self_attn
         self.rotary = first.rotary_emb
@@ -75,25 +104,33 @@ class CpuDecodePath:
         self.q_width = self.num_heads * self.head_size
         self.qkv_width = first.qkv_proj.output_size_per_rank
         self.hidden = layers[0].input_layernorm.weight.shape[0]
-        self.intermediate = layers[0].mlp.down_proj.packed_weight.shape[1]
+        self.intermediate = layers[0].mlp.down_proj.input_size_per_rank
+        self.projections = [_Projections.of(layer) for layer in layers]
+        self._norms = [  # each layer's two norm weights, by address
+            (x.input_layernorm.weight.data_ptr(), x.post_attention_layernorm.weight.data_ptr())
+            for x in layers
+        ]
+        self.decoder_model = self._decoder_model(layers[0].input_layernorm.eps)
+        self._caches: tuple | None = None  # the cache views the layer structures point into
+        self._layers: list[cpu_decoder.DecoderLayer] = []
+        self._buffers: _Buffers | None = None
+        self.num_steps = 0  # steps taken here (the tests check it moves)
+
+    def _decoder_model(self, eps: float) -> cpu_decoder.DecoderModel:
         matmuls = cpu_matmul.kernel()
         use_int16 = cpu_matmul.has_int16_path()
-        self.decoder_model = cpu_decoder.DecoderModel(
+        return cpu_decoder.DecoderModel(
             hidden=self.hidden,
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_size=self.head_size,
             intermediate=self.intermediate,
-            eps=layers[0].input_layernorm.eps,
+            eps=eps,
             matmul=cpu_decoder.entry_point(matmuls.gguf_matmul),
             matmul_int16=cpu_decoder.entry_point(matmuls.gguf_matmul_int16) if use_int16 else None,
             int16_max_rows=cpu_matmul.int16_max_rows(),
             attention=cpu_decoder.entry_point(cpu_decoder.decode_kernel()),
         )
-        self._caches: tuple | None = None  # the cache views the layer structures point into
-        self._layers: list[cpu_decoder.DecoderLayer] = []
-        self._buffers: dict[int, _Buffers] = {}
-        self.num_steps = 0  # steps taken here (the tests check it moves)
 
     @classmethod
     def for_model(
@@ -103,38 +140,25 @@ class CpuDecodePath:
         ``attention_class`` (not a subclass, which may compute something else), or None where
         it can never take a step."""
         layers = list(getattr(model, "layers", ()))
-        if not layers or model.embed_tokens.weight.device.type != "cpu":
+        embeddings = model.embed_tokens.weight
+        if not layers or embeddings.device.type != "cpu" or embeddings.dtype != torch.float32:
             return None
+        kinds = set()
         for layer in layers:
             if type(layer) is not layer_class or type(layer.self_attn) is not attention_class:
                 return None
-            attention, mlp = layer.self_attn, layer.mlp
-            if attention.q_norm is not None or attention.rotary_emb.is_interleaved:
+            if not _plain_llama_layer(layer, layers[0]):
                 return None
-            if not isinstance(mlp, MLP) or mlp.gate_up_proj is None or mlp.activation != "silu":
-                return None
-            projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(isinstance(p.packed_weight, QuantizedMatrix) for p in projections):
-                return None
-            if any(p.bias is not None for p in projections[1:]):  # row-parallel sums first
-                return None
-            params = attention.attn.params
-            if params.sinks is not None or params.softcap is not None:
-                return None
-            if params != layers[0].self_attn.attn.params or attention.rotary_emb is not (
-                layers[0].self_attn.rotary_emb
-            ):
-                return None
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if any(n.dtype != torch.float32 or not n.is_contiguous() for n in norms):
-                return None
+            kinds.update(_projection_kinds(layer))
+        if None in kinds:
+            return None
         first = layers[0].self_attn.attn
         head_size = first.head_size
         group = first.num_heads // first.num_kv_heads
         if head_size % 2 or head_size > MAX_HEAD or group > MAX_GROUP:
             return None
         library = cpu_decoder.decoder_library()
-        return None if library is None else cls(model, library)
+        return None if library is None else cls(model, library, fused=kinds == {"gguf"})
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         metadata = self._metadata_if_taken(token_ids)
@@ -148,33 +172,70 @@ class CpuDecodePath:
         # The tensors the structure points into live as long as ``held``.
         decoder_step, held = self._decoder_step(hidden, positions, metadata, buffers)
         model, step_ref = ctypes.byref(self.decoder_model), ctypes.byref(decoder_step)
-        for layer in self._layers:
-            layer_ref = ctypes.byref(layer)
-            _check(self.library.attention_block(model, layer_ref, step_ref), "attention")
-            all_reduce(buffers.delta)
-            _check(self.library.mlp_block(model, layer_ref, step_ref), "MLP")
-            all_reduce(buffers.delta)
+        if self.fused:
+            self._fused_layers(model, decoder_step, buffers)
+        else:  # the last block's output stays referenced until the final norm has read it
+            held = (*held, self._glue_layers(model, decoder_step, buffers))
         decoder_step.normed = out.data_ptr()
         final = self.model.norm.weight
-        _check(self.library.final_norm(model, final.data_ptr(), step_ref), "final norm")
+        _check(self.library.residual_norm(model, final.data_ptr(), step_ref), "final norm")
         del held
         self.num_steps += 1
         return out
 
+    def _fused_layers(self, model, step: cpu_decoder.DecoderStep, buffers: _Buffers) -> None:
+        step_ref, delta = ctypes.byref(step), buffers.delta[: step.rows]
+        for layer in self._layers:
+            layer_ref = ctypes.byref(layer)
+            _check(self.library.attention_block(model, layer_ref, step_ref), "attention")
+            all_reduce(delta)
+            _check(self.library.mlp_block(model, layer_ref, step_ref), "MLP")
+            all_reduce(delta)
+
+    def _glue_layers(self, model, step: cpu_decoder.DecoderStep, buffers: _Buffers) -> torch.Tensor:
+        """The projections through torch (oneDNN for float32), the rest in C. Each output is
+        kept referenced until the C call after it has read it; the last one is returned."""
+        library, step_ref, rows = self.library, ctypes.byref(step), step.rows
+        normed, attended = buffers.normed[:rows], buffers.attended[:rows]
+        activated = buffers.activated[:rows]
+        for layer, weights, norms in zip(self._layers, self.projections, self._norms, strict=True):
+            layer_ref = ctypes.byref(layer)
+            _check(library.residual_norm(model, norms[0], step_ref), "norm")
+            qkv = linear(normed, *weights.qkv)
+            step.qkv = qkv.data_ptr()
+            _check(library.attend(model, layer_ref, step_ref), "attention")
+            delta = all_reduce(linear(attended, *weights.o))
+            step.delta, step.has_delta = delta.data_ptr(), 1
+            _check(library.residual_norm(model, norms[1], step_ref), "norm")
+            gate_up = linear(normed, *weights.gate_up)
+            step.gate_up = gate_up.data_ptr()
+            _check(library.gated_silu(model, step_ref), "SiLU")
+            delta = all_reduce(linear(activated, *weights.down))
+            step.delta, step.has_delta = delta.data_ptr(), 1
+        return delta
+
     def _metadata_if_taken(self, token_ids: torch.Tensor):
         """The step's attention metadata when this path takes the step, else None."""
         num_rows = token_ids.shape[0]
-        if not 1 <= num_rows <= MAX_ROWS or token_ids.device.type != "cpu":
+        if num_rows < 1 or token_ids.device.type != "cpu":
             return None
         context = get_forward_context()
         step = context.step_for(self.layer_names[0])
         if not isinstance(step.kernels, TorchAttentionBackend):
             return None
-        if step.metadata.num_actual_tokens != num_rows:  # padded
+        metadata = step.metadata
+        if num_rows > self._max_rows(metadata.is_decode_only):
+            return None
+        if metadata.num_actual_tokens != num_rows:  # padded
             return None
         if any(context.step_for(name) is not step for name in self.layer_names):
             return None
-        return step.metadata if self._bind_caches() else None
+        return metadata if self._bind_caches() else None
+
+    def _max_rows(self, decode_only: bool) -> int:
+        if self.fused:
+            return FUSED_MAX_ROWS
+        return GLUE_MAX_DECODE_ROWS if decode_only else GLUE_MAX_ROWS
 
     def _decoder_step(self, hidden, positions, metadata, buffers: _Buffers):
         """The C structure for one step, and the tensors it points into."""
@@ -232,21 +293,29 @@ class CpuDecodePath:
         if any(c.shape[1] < self.num_kv_heads or c.shape[3] < 2 * self.head_size for c in caches):
             return False
         pairs = zip(layers, caches, strict=True)
-        self._layers = [self._layer_struct(layer, cache) for layer, cache in pairs]
+        self._layers = [self._layer_struct(layer, cache, self.fused) for layer, cache in pairs]
         self._caches = caches
         return True
 
     @staticmethod
-    def _layer_struct(layer: nn.Module, cache: torch.Tensor) -> cpu_decoder.DecoderLayer:
+    def _layer_struct(
+        layer: nn.Module, cache: torch.Tensor, fused: bool
+    ) -> cpu_decoder.DecoderLayer:
+        """The layer's structure; its weights only where the C blocks multiply them."""
         attention, mlp = layer.self_attn, layer.mlp
         qkv = attention.qkv_proj
+        weights = {}
+        if fused:
+            weights = dict(
+                qkv=cpu_decoder.qweight(qkv.packed_weight, qkv.bias),
+                o=cpu_decoder.qweight(attention.o_proj.packed_weight),
+                gate_up=cpu_decoder.qweight(mlp.gate_up_proj.packed_weight),
+                down=cpu_decoder.qweight(mlp.down_proj.packed_weight),
+            )
         return cpu_decoder.DecoderLayer(
             input_norm=layer.input_layernorm.weight.data_ptr(),
             post_norm=layer.post_attention_layernorm.weight.data_ptr(),
-            qkv=cpu_decoder.qweight(qkv.packed_weight, qkv.bias),
-            o=cpu_decoder.qweight(attention.o_proj.packed_weight),
-            gate_up=cpu_decoder.qweight(mlp.gate_up_proj.packed_weight),
-            down=cpu_decoder.qweight(mlp.down_proj.packed_weight),
+            **weights,
             cache=cache.data_ptr(),
             stride_cb=cache.stride(0),
             stride_ch=cache.stride(1),
@@ -256,13 +325,17 @@ class CpuDecodePath:
         )
 
     def _buffers_for(self, num_rows: int) -> _Buffers:
-        buffers = self._buffers.get(num_rows)
-        if buffers is None:
+        """Scratch for ``num_rows``, grown to the next power of two when a step needs more
+        (one set whatever the batch: a set per row count would hold hundreds)."""
+        buffers = self._buffers
+        if buffers is None or buffers.capacity < num_rows:
+            capacity = 1 << (num_rows - 1).bit_length()
 
             def rows(width: int) -> torch.Tensor:
-                return torch.empty(num_rows, width, dtype=torch.float32)
+                return torch.empty(capacity, width, dtype=torch.float32)
 
             buffers = _Buffers(
+                capacity=capacity,
                 delta=rows(self.hidden),
                 normed=rows(self.hidden),
                 qkv=rows(self.qkv_width),
@@ -271,7 +344,7 @@ class CpuDecodePath:
                 gate_up=rows(2 * self.intermediate),
                 activated=rows(self.intermediate),
             )
-            self._buffers[num_rows] = buffers
+            self._buffers = buffers
         return buffers
 
 
@@ -299,3 +372,40 @@ def _one_request_per_token(metadata) -> tuple[torch.Tensor, torch.Tensor, torch.
 def _check(code: int, part: str) -> None:
     if code != 0:
         raise RuntimeError(f"the CPU decoder kernel's {part} block failed with code {code}")
+
+
+def _plain_llama_layer(layer: nn.Module, first: nn.Module) -> bool:
+    """A layer the C glue computes as the modules do, sharing the first layer's attention
+    settings and rotary embedding."""
+    attention, mlp = layer.self_attn, layer.mlp
+    if attention.q_norm is not None or attention.rotary_emb.is_interleaved:
+        return False
+    if not isinstance(mlp, MLP) or mlp.gate_up_proj is None or mlp.activation != "silu":
+        return False
+    if attention.o_proj.bias is not None or mlp.down_proj.bias is not None:
+        return False  # added after the all-reduce, which the C blocks do not do
+    params = attention.attn.params
+    if params.sinks is not None or params.softcap is not None:
+        return False
+    if params != first.self_attn.attn.params:
+        return False
+    if attention.rotary_emb is not first.self_attn.rotary_emb:
+        return False
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    return all(n.dtype == torch.float32 and n.is_contiguous() for n in norms)
+
+
+def _projection_kinds(layer: nn.Module) -> list[str | None]:
+    """Per projection: "gguf" (blocks), "float" (float32, oneDNN-packed or not), or None."""
+    attention, mlp = layer.self_attn, layer.mlp
+    kinds = []
+    for projection in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        packed = projection.packed_weight
+        if isinstance(packed, QuantizedMatrix):
+            kinds.append("gguf")
+            continue
+        weight = projection.weight if packed is None else packed
+        bias = projection.bias
+        floats = weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)
+        kinds.append("float" if floats and weight.device.type == "cpu" else None)
+    return kinds

@@ -12,6 +12,11 @@
  * each kernel stays in its own library. A tensor-parallel caller all-reduces `delta` between
  * the two calls; the sums stay in the same order as the torch layers' (residual + delta).
  *
+ * The glue between the projections is exported on its own too (residual_norm, attend,
+ * gated_silu) for a caller that runs the projections itself: float32 weights go through
+ * oneDNN, which no C loop here would match. That caller points `qkv`, `delta` and `gate_up`
+ * at its projections' outputs and sets `has_delta` before the next call.
+ *
  * Activations are float32 throughout. The KV cache view has unit channel stride and holds
  * float32, float16 or bfloat16 (kernels/decoder/cpu_decoder.py checks both before it takes a
  * step); keys and values are rounded into it to nearest even, as torch's casts round, so a
@@ -207,10 +212,8 @@ static void rotate_and_store(const DecoderModel *m, const DecoderLayer *l, Decod
     }
 }
 
-int attention_block(const DecoderModel *m, const DecoderLayer *l, DecoderStep *s) {
-    add_and_norm(m, s, l->input_norm);
-    int code = project(m, &l->qkv, s->normed, s->qkv, s->rows);
-    if (code != 0) return code;
+/* Rotary embedding and the cache write from s->qkv, then paged attention to s->attended. */
+int attend(const DecoderModel *m, const DecoderLayer *l, DecoderStep *s) {
     rotate_and_store(m, l, s);
     DecodeArgs args = s->attention;
     args.query = s->query;
@@ -222,29 +225,46 @@ int attention_block(const DecoderModel *m, const DecoderLayer *l, DecoderStep *s
     args.stride_cn = l->stride_cn;
     args.stride_cc = 1;
     args.kernel_block_size = l->kernel_block_size;
-    if (m->attention(&args, s->bounds, s->num_threads) != 0) return 10;
+    return m->attention(&args, s->bounds, s->num_threads) != 0 ? 10 : 0;
+}
+
+int attention_block(const DecoderModel *m, const DecoderLayer *l, DecoderStep *s) {
+    add_and_norm(m, s, l->input_norm);
+    int code = project(m, &l->qkv, s->normed, s->qkv, s->rows);
+    if (code != 0) return code;
+    code = attend(m, l, s);
+    if (code != 0) return code;
     code = project(m, &l->o, s->attended, s->delta, s->rows);
     s->has_delta = 1;
     return code;
+}
+
+/* s->activated = SiLU(gate) * up from s->gate_up, rows split over the threads: at a batch of
+ * decode rows the exponentials outweigh a parallel region's start. */
+int gated_silu(const DecoderModel *m, DecoderStep *s) {
+    int64_t inter = m->intermediate;
+#pragma omp parallel for schedule(static) if (s->rows * inter >= 32768)
+    for (int64_t r = 0; r < s->rows; r++) {
+        const float *gate = s->gate_up + r * 2 * inter, *up = gate + inter;
+        float *out = s->activated + r * inter;
+        for (int64_t j = 0; j < inter; j++) out[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+    }
+    return 0;
 }
 
 int mlp_block(const DecoderModel *m, const DecoderLayer *l, DecoderStep *s) {
     add_and_norm(m, s, l->post_norm);
     int code = project(m, &l->gate_up, s->normed, s->gate_up, s->rows);
     if (code != 0) return code;
-    int64_t inter = m->intermediate;
-    for (int64_t r = 0; r < s->rows; r++) {
-        const float *gate = s->gate_up + r * 2 * inter, *up = gate + inter;
-        float *out = s->activated + r * inter;
-        for (int64_t j = 0; j < inter; j++) out[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
-    }
+    gated_silu(m, s);
     code = project(m, &l->down, s->activated, s->delta, s->rows);
     s->has_delta = 1;
     return code;
 }
 
-/* The model's last norm: residual += delta; normed = RMSNorm(residual) * weight. */
-int final_norm(const DecoderModel *m, const float *weight, DecoderStep *s) {
+/* residual += delta (when there is one); normed = RMSNorm(residual) * weight: before a block's
+ * projections, and the model's last norm. */
+int residual_norm(const DecoderModel *m, const float *weight, DecoderStep *s) {
     add_and_norm(m, s, weight);
     return 0;
 }
