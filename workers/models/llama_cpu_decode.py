@@ -332,7 +332,7 @@ class CpuDecodePath:
             capacity = 1 << (num_rows - 1).bit_length()
 
             def rows(width: int) -> torch.Tensor:
-                return torch.empty(capacity, width, dtype=torch.float32)
+                return torch.empty(capacity, width, dtype=torch.float32, device="cpu")
 
             buffers = _Buffers(
                 capacity=capacity,
@@ -359,13 +359,13 @@ def _one_request_per_token(metadata) -> tuple[torch.Tensor, torch.Tensor, torch.
         num_new = starts[request + 1] - starts[request]
         request_of += [request] * num_new
         seq_lens += range(total - num_new + 1, total + 1)
-    rows = torch.tensor(request_of, dtype=torch.int64)
+    rows = torch.tensor(request_of, dtype=torch.int64, device="cpu")
     block_table = metadata.block_table.index_select(0, rows).contiguous()
     num_tokens = len(request_of)
     return (
         block_table,
-        torch.tensor(seq_lens, dtype=torch.int32),
-        torch.arange(num_tokens, dtype=torch.int32),
+        torch.tensor(seq_lens, dtype=torch.int32, device="cpu"),
+        torch.arange(num_tokens, dtype=torch.int32, device="cpu"),
     )
 
 
