@@ -4,6 +4,7 @@ equal to transformers' ``generate`` on checkpoints whose scaling changes the out
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -62,6 +63,28 @@ def test_frequencies_equal_transformers_rope_init_functions(head_dim, theta, max
     assert config.rope_scaling.rope_type == rope_type
     assert torch.equal(inv_freq, expected_inv_freq)
     assert factor == pytest.approx(expected_factor, rel=1e-12)
+
+
+@pytest.mark.parametrize("scaling", [None, FREQUENCY_CASES[3][3]], ids=["plain", "yarn"])
+def test_the_cpu_tables_give_each_position_its_cos_and_sin(scaling):
+    """On CPUs a step's cos and sin are rows of tables kept across steps: each within a unit
+    of float32's last place of the true value (Python's float64 math here), past the tables'
+    first size too, and scaled by yarn's attention factor."""
+    from workers.layers.rotary import RotaryEmbedding
+
+    config = parse_hf_config(llama_config(64, 10000.0, 163840, scaling and dict(scaling)).to_dict())
+    rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+    generator = torch.Generator().manual_seed(0)
+    for top in (700, 5000):  # the second step grows the tables
+        positions = torch.randint(0, top, (97,), generator=generator)
+        cos, sin = rotary._cos_sin(positions)
+        assert cos.is_contiguous() and sin.is_contiguous()
+        angles = (positions.float()[:, None] * rotary.inv_freq[None, :]).tolist()
+        for f, got in ((math.cos, cos), (math.sin, sin)):
+            half = torch.tensor([[f(a) for a in row] for row in angles], dtype=torch.float64)
+            expected = torch.cat((half, half), dim=-1) * rotary.attention_factor
+            torch.testing.assert_close(got.double(), expected, rtol=1.2e-7, atol=6e-8)
+    assert rotary._tables[0].shape[0] == 8192
 
 
 def test_unknown_rope_types_are_refused_listing_the_supported_ones():

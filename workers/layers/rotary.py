@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -35,6 +36,7 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.attention_factor = rope_frequencies(head_size, theta, scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._step: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None  # see _cpu_tables
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
@@ -58,13 +60,44 @@ class RotaryEmbedding(nn.Module):
             same, version, cos, sin = self._step
             if same is positions and version == positions._version:
                 return cos, sin
+        if positions.device.type == "cpu":
+            # Rows of a table kept across steps: one gather where the product and its two
+            # transcendental functions cost ~0.2 ms a step on two cores. (On a GPU they are
+            # cheap, and sizing the table would read the positions back.)
+            tables = self._cpu_tables(int(positions.max()) + 1)
+            cos, sin = (table.index_select(0, positions) for table in tables)
+        else:
+            cos, sin = self._compute_cos_sin(positions)
+        self._step = (positions, positions._version, cos, sin)
+        return cos, sin
+
+    def _compute_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         angles = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         cos, sin = angles.cos(), angles.sin()
         if self.attention_factor != 1.0:  # yarn sharpens attention at long range
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
-        self._step = (positions, positions._version, cos, sin)
         return cos, sin
+
+    def _cpu_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[P, D]`` cos and sin of positions 0..P-1, P grown to a power of two (at least
+        1024) when a step goes past it."""
+        tables = self._tables
+        if tables is None or tables[0].shape[0] < num_positions:
+            size = max(1024, 1 << (num_positions - 1).bit_length())
+            positions = torch.arange(size, dtype=torch.int64, device="cpu")
+            freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [P, D/2], as above
+            # cos and sin in float64 by numpy, rounded to float32 once: within half a unit of
+            # the last place, on this thread. (Torch's float32 cos is within one unit, but in
+            # tests the rows its second OpenMP thread took in the process's first call were
+            # 1.5e-4 off; a table kept for the process's life must not hold them.)
+            angles = freqs.double().numpy()
+            halves = (torch.from_numpy(f(angles)).float() for f in (np.cos, np.sin))
+            cos, sin = (torch.cat((h, h), dim=-1) for h in halves)
+            if self.attention_factor != 1.0:
+                cos, sin = cos * self.attention_factor, sin * self.attention_factor
+            tables = self._tables = (cos, sin)
+        return tables
 
 
 def rope_frequencies(
