@@ -78,29 +78,37 @@ class ReplicaSet:
         return await self.admission.admit(prompt, sampling, request_id, cache_salt=cache_salt)
 
     async def generate(self, request: AdmittedRequest) -> AsyncIterator:
-        if request.request_id in self._streams:
-            raise InvalidRequestError(f"Request id {request.request_id!r} is already running.")
-        for attempt in range(RESEND_ATTEMPTS + 1):
-            stream = self.handle.options(stream=True).generate.remote(encode(request))
-            self._streams[request.request_id] = stream
-            started = False
-            try:
-                async for output in stream:
-                    started = True
-                    yield output
-                return
-            except SERVE_ERRORS as exc:
-                error = engine_error(exc)
-                resend = not started and isinstance(error, EngineUnavailableError)
-                if not resend or attempt == RESEND_ATTEMPTS:
-                    raise error from None
-            finally:
-                self._streams.pop(request.request_id, None)
-                stream.cancel()  # a client that left: the replica aborts the request
-            # The replica could not serve it (its engine died or drains, and the router has
-            # not heard yet) and nothing was streamed: the request goes again, to another
-            # replica once the router has the replica's next report.
-            await asyncio.sleep(RESEND_DELAY_S)
+        request_id = request.request_id
+        if request_id in self._streams:
+            raise InvalidRequestError(f"Request id {request_id!r} is already running.")
+        stream = None
+        try:
+            for attempt in range(RESEND_ATTEMPTS + 1):
+                stream = self.handle.options(stream=True).generate.remote(encode(request))
+                self._streams[request_id] = stream
+                started = False
+                try:
+                    async for output in stream:
+                        started = True
+                        yield output
+                    return
+                except SERVE_ERRORS as exc:
+                    error = engine_error(exc)
+                    resend = not started and isinstance(error, EngineUnavailableError)
+                    if not resend or attempt == RESEND_ATTEMPTS:
+                        raise error from None
+                finally:
+                    stream.cancel()  # a client that left: the replica aborts the request
+                # The replica could not serve it (its engine died or drains, and the router
+                # has not heard yet) and nothing was streamed: the request goes again, to
+                # another replica once the router has the replica's next report. It stays
+                # registered meanwhile, so an abort or a drain still finds it.
+                await asyncio.sleep(RESEND_DELAY_S)
+                if self._streams.get(request_id) is not stream:  # aborted while it waited
+                    return
+        finally:  # unless an abort took it already
+            if stream is not None and self._streams.get(request_id) is stream:
+                del self._streams[request_id]
 
     def abort(self, request_id: str) -> bool:
         stream = self._streams.pop(request_id, None)

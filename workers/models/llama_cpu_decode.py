@@ -80,9 +80,7 @@ class _Projections:
 
     @classmethod
     def of(cls, layer: nn.Module) -> _Projections:
-        attention, mlp = layer.self_attn, layer.mlp
-        parts = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        return cls(*((p.weight, p.packed_weight, p.bias) for p in parts))
+        return cls(*((p.weight, p.packed_weight, p.bias) for p in _projection_modules(layer)))
 
 
 class CpuDecodePath:
@@ -106,10 +104,6 @@ class CpuDecodePath:
         self.hidden = layers[0].input_layernorm.weight.shape[0]
         self.intermediate = layers[0].mlp.down_proj.input_size_per_rank
         self.projections = [_Projections.of(layer) for layer in layers]
-        self._norms = [  # each layer's two norm weights, by address
-            (x.input_layernorm.weight.data_ptr(), x.post_attention_layernorm.weight.data_ptr())
-            for x in layers
-        ]
         self.decoder_model = self._decoder_model(layers[0].input_layernorm.eps)
         self._caches: tuple | None = None  # the cache views the layer structures point into
         self._layers: list[cpu_decoder.DecoderLayer] = []
@@ -198,15 +192,15 @@ class CpuDecodePath:
         library, step_ref, rows = self.library, ctypes.byref(step), step.rows
         normed, attended = buffers.normed[:rows], buffers.attended[:rows]
         activated = buffers.activated[:rows]
-        for layer, weights, norms in zip(self._layers, self.projections, self._norms, strict=True):
+        for layer, weights in zip(self._layers, self.projections, strict=True):
             layer_ref = ctypes.byref(layer)
-            _check(library.residual_norm(model, norms[0], step_ref), "norm")
+            _check(library.residual_norm(model, layer.input_norm, step_ref), "norm")
             qkv = linear(normed, *weights.qkv)
             step.qkv = qkv.data_ptr()
             _check(library.attend(model, layer_ref, step_ref), "attention")
             delta = all_reduce(linear(attended, *weights.o))
             step.delta, step.has_delta = delta.data_ptr(), 1
-            _check(library.residual_norm(model, norms[1], step_ref), "norm")
+            _check(library.residual_norm(model, layer.post_norm, step_ref), "norm")
             gate_up = linear(normed, *weights.gate_up)
             step.gate_up = gate_up.data_ptr()
             _check(library.gated_silu(model, step_ref), "SiLU")
@@ -395,11 +389,16 @@ def _plain_llama_layer(layer: nn.Module, first: nn.Module) -> bool:
     return all(n.dtype == torch.float32 and n.is_contiguous() for n in norms)
 
 
+def _projection_modules(layer: nn.Module) -> tuple[nn.Module, ...]:
+    """A layer's four projections, in the order of ``_Projections``' fields."""
+    attention, mlp = layer.self_attn, layer.mlp
+    return attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
 def _projection_kinds(layer: nn.Module) -> list[str | None]:
     """Per projection: "gguf" (blocks), "float" (float32, oneDNN-packed or not), or None."""
-    attention, mlp = layer.self_attn, layer.mlp
     kinds = []
-    for projection in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
+    for projection in _projection_modules(layer):
         packed = projection.packed_weight
         if isinstance(packed, QuantizedMatrix):
             kinds.append("gguf")

@@ -151,32 +151,66 @@ static inline void prefetch_cell(const DecodeArgs *a, int64_t cell) {
     for (int64_t offset = 0; offset < span; offset += 64) __builtin_prefetch(first + offset);
 }
 
-static void decode_item(const DecodeArgs *a, int64_t item) {
+/* What one (request, KV head) item reads and writes. */
+typedef struct {
+    int kv_head, group, seq_len;
+    int first_key;          /* past the sliding window's reach, keys are not read */
+    const float *query;     /* the request's query row, every head */
+    float *out;             /* its output row */
+    const int32_t *blocks;  /* its block table row */
+} Item;
+
+static inline Item item_at(const DecodeArgs *a, int64_t item) {
     const int request = (int)(item / a->num_kv_heads);
-    const int kv_head = (int)(item % a->num_kv_heads);
-    const int group = a->num_q_heads / a->num_kv_heads;
-    const int head = a->head_size, head_v = a->head_size_v;
-    const int seq_len = a->seq_lens[request];
-    const int position = seq_len - 1;  /* the query's own position */
-    int first_key = 0;
+    Item it = {(int)(item % a->num_kv_heads), a->num_q_heads / a->num_kv_heads,
+               a->seq_lens[request], 0, NULL, NULL, NULL};
+    const int position = it.seq_len - 1;  /* the query's own position */
     if (a->sliding_window > 0 && position - a->sliding_window + 1 > 0) {
-        first_key = position - a->sliding_window + 1;
+        it.first_key = position - a->sliding_window + 1;
     }
-    const float *query = a->query + (int64_t)a->token_of[request] * a->num_q_heads * head;
-    float *out = a->out + (int64_t)a->token_of[request] * a->num_q_heads * head_v;
-    const int32_t *blocks = a->block_table + (int64_t)request * a->stride_bt;
+    const int64_t row = a->token_of[request];
+    it.query = a->query + row * a->num_q_heads * a->head_size;
+    it.out = a->out + row * a->num_q_heads * a->head_size_v;
+    it.blocks = a->block_table + (int64_t)request * a->stride_bt;
+    return it;
+}
+
+/* Each query head's softmax starts from its sink (a logit with no value) or from nothing. */
+static inline void start_softmax(const DecodeArgs *a, const Item *it, float *row_max,
+                                 float *row_sum, float *acc) {
+    for (int g = 0; g < it->group; g++) {
+        const int q_head = it->kv_head * it->group + g;
+        row_max[g] = a->sinks ? a->sinks[q_head] : -FLT_MAX;  /* finite: exp of it is 0 */
+        row_sum[g] = a->sinks ? 1.0f : 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(it->group * a->head_size_v));
+}
+
+/* out = acc / sum for each query head of the item. */
+static inline void write_outputs(const Item *it, const float *acc, const float *row_sum,
+                                 int head_v) {
+    for (int g = 0; g < it->group; g++) {
+        float *dst = it->out + (int64_t)(it->kv_head * it->group + g) * head_v;
+        const float inverse = row_sum[g] > 0.0f ? 1.0f / row_sum[g] : 0.0f;
+        for (int d = 0; d < head_v; d++) {
+            dst[d] = acc[g * head_v + d] * inverse;
+        }
+    }
+}
+
+static void decode_item(const DecodeArgs *a, int64_t item) {
+    const Item it = item_at(a, item);
+    const int kv_head = it.kv_head, group = it.group, seq_len = it.seq_len;
+    const int head = a->head_size, head_v = a->head_size_v;
+    const float *query = it.query;
+    const int32_t *blocks = it.blocks;
 
     float row_max[MAX_GROUP], row_sum[MAX_GROUP];
     float acc[MAX_GROUP * MAX_HEAD];
     float logits[MAX_GROUP * CHUNK];
     float key_scratch[CHUNK * MAX_HEAD], value_scratch[CHUNK * MAX_HEAD];
     const float *keys[CHUNK], *values[CHUNK];
-    for (int g = 0; g < group; g++) {
-        const int q_head = kv_head * group + g;
-        row_max[g] = a->sinks ? a->sinks[q_head] : -FLT_MAX;  /* finite: exp of it is 0 */
-        row_sum[g] = a->sinks ? 1.0f : 0.0f;
-    }
-    memset(acc, 0, sizeof(float) * (size_t)(group * head_v));
+    start_softmax(a, &it, row_max, row_sum, acc);
 
     /* One chunk is a run of rows of one kernel block: consecutive positions whose cells are
      * stride_cn apart, so the block table and the divisions are consulted once per chunk.
@@ -185,8 +219,8 @@ static void decode_item(const DecodeArgs *a, int64_t item) {
      * within a page) do not go by themselves. 64 requests of 250 keys: 15.5 GB/s against
      * 13.3 without (two cores, float32 cache). */
     int64_t first_cell = 0, next_cell = 0;
-    int count = chunk_at(a, blocks, kv_head, first_key, seq_len, &first_cell);
-    for (int pos = first_key; pos < seq_len;) {
+    int count = chunk_at(a, blocks, kv_head, it.first_key, seq_len, &first_cell);
+    for (int pos = it.first_key; pos < seq_len;) {
         const int next_count = chunk_at(a, blocks, kv_head, pos + count, seq_len, &next_cell);
         for (int j = 0; j < count; j++) {
             const int64_t cell = first_cell + j * a->stride_cn;
@@ -223,13 +257,7 @@ static void decode_item(const DecodeArgs *a, int64_t item) {
         count = next_count;
         first_cell = next_cell;
     }
-    for (int g = 0; g < group; g++) {
-        float *dst = out + (int64_t)(kv_head * group + g) * head_v;
-        const float inverse = row_sum[g] > 0.0f ? 1.0f / row_sum[g] : 0.0f;
-        for (int d = 0; d < head_v; d++) {
-            dst[d] = acc[g * head_v + d] * inverse;
-        }
-    }
+    write_outputs(&it, acc, row_sum, head_v);
 }
 
 #if defined(__AVX512F__)
@@ -300,38 +328,25 @@ static inline void accumulate16(float *acc, float rescale, const float *weight,
 }
 
 static void decode_item_avx512(const DecodeArgs *a, int64_t item) {
-    const int request = (int)(item / a->num_kv_heads);
-    const int kv_head = (int)(item % a->num_kv_heads);
-    const int group = a->num_q_heads / a->num_kv_heads, head = a->head_size;
-    const int seq_len = a->seq_lens[request];
-    const int position = seq_len - 1;
-    int first_key = 0;
-    if (a->sliding_window > 0 && position - a->sliding_window + 1 > 0) {
-        first_key = position - a->sliding_window + 1;
-    }
-    const float *query = a->query + (int64_t)a->token_of[request] * a->num_q_heads * head;
-    float *out = a->out + (int64_t)a->token_of[request] * a->num_q_heads * head;
-    const int32_t *blocks = a->block_table + (int64_t)request * a->stride_bt;
+    const Item it = item_at(a, item);
+    const int kv_head = it.kv_head, group = it.group, seq_len = it.seq_len;
+    const int head = a->head_size;
     float row_max[MAX_GROUP], row_sum[MAX_GROUP];
     float acc[MAX_GROUP * MAX_HEAD], logit[CHUNK];
     const float *keys[CHUNK], *values[CHUNK];
-    for (int g = 0; g < group; g++) {
-        row_max[g] = a->sinks ? a->sinks[kv_head * group + g] : -FLT_MAX;
-        row_sum[g] = a->sinks ? 1.0f : 0.0f;
-    }
-    memset(acc, 0, sizeof(float) * (size_t)(group * head));
+    start_softmax(a, &it, row_max, row_sum, acc);
     const float *cache = (const float *)a->cache;
     int64_t first_cell = 0, next_cell = 0;
-    int count = chunk_at(a, blocks, kv_head, first_key, seq_len, &first_cell);
-    for (int pos = first_key; pos < seq_len;) {
-        const int next_count = chunk_at(a, blocks, kv_head, pos + count, seq_len, &next_cell);
+    int count = chunk_at(a, it.blocks, kv_head, it.first_key, seq_len, &first_cell);
+    for (int pos = it.first_key; pos < seq_len;) {
+        const int next_count = chunk_at(a, it.blocks, kv_head, pos + count, seq_len, &next_cell);
         for (int j = 0; j < count; j++) {  /* the next chunk is asked for, as above */
             if (j < next_count) prefetch_cell(a, next_cell + j * a->stride_cn);
             keys[j] = cache + first_cell + j * a->stride_cn;
             values[j] = keys[j] + head;
         }
         for (int g = 0; g < group; g++) {
-            score_chunk(a, query + (int64_t)(kv_head * group + g) * head, keys, count, logit,
+            score_chunk(a, it.query + (int64_t)(kv_head * group + g) * head, keys, count, logit,
                         head);
             float new_max = row_max[g];
             for (int j = 0; j < count; j++) new_max = logit[j] > new_max ? logit[j] : new_max;
@@ -344,11 +359,7 @@ static void decode_item_avx512(const DecodeArgs *a, int64_t item) {
         count = next_count;
         first_cell = next_cell;
     }
-    for (int g = 0; g < group; g++) {
-        float *dst = out + (int64_t)(kv_head * group + g) * head;
-        const float inverse = row_sum[g] > 0.0f ? 1.0f / row_sum[g] : 0.0f;
-        for (int d = 0; d < head; d++) dst[d] = acc[g * head + d] * inverse;
-    }
+    write_outputs(&it, acc, row_sum, head);
 }
 #endif
 
