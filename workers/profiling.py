@@ -4,6 +4,9 @@ rest of the device, so its peak memory can be measured (see ``workers.memory``).
 It runs through the same parts as serving (the model runner, the serving attention backend
 over a paged cache, the sampler with top-k and top-p on), so every temporary a real step makes
 is in the peak. The cache it writes is a scratch one, just big enough, unbound afterwards.
+A decode step over the same requests follows it: on a GPU the kernels' decode variants (the
+attention decode tile, MLA's and Mamba's decode kernels) compile then, not at the first
+request served. It is smaller than the profiling step, so the peak stays the profile's.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from kvcore import KVCacheSpec, get_kv_cache_config_from_groups, get_kv_cache_gr
 from kvcore._math import cdiv
 from workers.group_step import StepLimits
 from workers.kv_cache import allocate_kv_cache
-from workers.protocol import NewRequest, StepPlan
+from workers.protocol import NewRequest, RequestDelta, StepPlan
 from workers.runner import ModelRunner
 from workers.sampling import SamplingParams
 
@@ -48,12 +51,14 @@ def run_profile_step(
     device: torch.device,
 ) -> int:
     """Run one step of ``num_tokens`` tokens over ``num_seqs`` requests, each of at most
-    ``max_len`` tokens, all sampled; returns the bytes of the scratch KV cache it used."""
+    ``max_len`` tokens, all sampled, then a decode step over them; returns the bytes of the
+    scratch KV cache they used."""
     lens = profile_request_lens(num_tokens, num_seqs, max_len)
     layout = backend.supported_kv_cache_layouts()[0]
     groups = get_kv_cache_groups(specs, layout)
+    # Room for one decoded token after each prompt.
     blocks_per_group = [
-        [cdiv(n, g.kv_cache_spec.block_size) for n in lens] for g in groups
+        [cdiv(n + 1, g.kv_cache_spec.block_size) for n in lens] for g in groups
     ]  # [G][R]
     num_blocks = 1 + sum(sum(row) for row in blocks_per_group)  # block 0 is the null block
     config = get_kv_cache_config_from_groups(
@@ -70,12 +75,28 @@ def run_profile_step(
     try:
         # The serving limits, so every group's largest scratch is measured.
         runner = ModelRunner(model, backend, config, device, StepLimits(num_tokens, num_seqs))
-        runner.execute(StepPlan(new_requests=_profile_requests(lens, blocks_per_group)))
+        requests = _profile_requests(lens, blocks_per_group)
+        runner.execute(StepPlan(new_requests=requests))
+        runner.execute(StepPlan(deltas=_decode_deltas(requests, max_len)))
         return scratch.numel() * scratch.element_size()
     finally:
         for layer in layers.values():
             layer.kv_cache = None  # the real cache binds its own views later
         del scratch
+
+
+def _decode_deltas(requests: list[NewRequest], max_len: int) -> list[RequestDelta]:
+    """One more token for every profile request with room for it."""
+    return [
+        RequestDelta(
+            request_id=r.request_id,
+            new_block_ids=[[] for _ in r.block_ids],
+            num_computed_tokens=r.num_new_tokens,
+            num_new_tokens=1,
+        )
+        for r in requests
+        if r.num_new_tokens < max_len
+    ]
 
 
 def _profile_requests(lens: list[int], blocks_per_group: list[list[int]]) -> list[NewRequest]:

@@ -62,7 +62,10 @@ def _cell_pointers(head_base, block_row_ptr, key_pos, is_key, stride_cb, stride_
     return head_base + kernel_block * stride_cb + (slot % KERNEL_BLOCK_SIZE) * stride_cn
 
 
-@triton.jit
+# Values that change from step to step are not specialised on: triton would otherwise compile a
+# variant for each of 1, a multiple of 16 and any other value (the batch's request count, the
+# block table's width) while serving.
+@triton.jit(do_not_specialize=["num_reqs", "sliding_window", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr, query_ptr, cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
     sinks_ptr, num_reqs, scale, softcap, sliding_window,

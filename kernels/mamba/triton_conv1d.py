@@ -51,7 +51,7 @@ def _window_input(x_ptr, state_ptr, req_start, src, has_initial, dims, is_live,
     return new + tl.load(s_ptrs, mask=is_old, other=0.0).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])  # one variant for every batch size
 def _conv1d_prefill_kernel(
     out_ptr, x_ptr, weight_ptr, bias_ptr, state_ptr, state_indices_ptr, has_initial_ptr,
     query_start_loc_ptr, num_reqs, dim,

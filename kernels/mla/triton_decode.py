@@ -34,7 +34,7 @@ BLOCK_H = 16
 TILE_N = 32  # context positions per step
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the block table's width changes every step
 def _decode_split_kernel(
     q_latent_ptr, q_pe_ptr, cache_ptr, block_table_ptr, seq_lens_ptr,
     partial_out_ptr, partial_lse_ptr,

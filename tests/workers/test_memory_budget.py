@@ -92,14 +92,16 @@ class ScriptedProbe:
 
 
 class RecordingBackend:
-    """The serving backend, recording the cache each attention call read."""
+    """The serving backend, recording the cache and the longest query of each attention call."""
 
     def __init__(self, backend):
         self._backend = backend
         self.caches = []
+        self.query_lens = []
 
     def forward(self, query, key, value, kv_cache, metadata, params, out=None):
         self.caches.append(kv_cache)
+        self.query_lens.append(metadata.max_query_len)
         return self._backend.forward(query, key, value, kv_cache, metadata, params, out)
 
     def __getattr__(self, name):
@@ -132,9 +134,12 @@ def test_the_worker_profiles_through_the_serving_backend_and_sizes_from_the_prob
     expected = kv_cache_budget(BEFORE, AFTER, 0.9, _scratch_bytes(worker)).kv_cache_bytes
     assert report.free_memory_bytes == expected
     num_layers = worker.model_config.num_hidden_layers
-    assert len(worker.backend.caches) == num_layers  # one step, every layer, paged
+    # The profile step, then a decode step (the kernels' decode variants compile then), every
+    # layer, paged; max_num_seqs rows of logits went through the sampler each time.
+    assert len(worker.backend.caches) == 2 * num_layers
     assert all(cache is not None and cache.dim() == 4 for cache in worker.backend.caches)
-    assert sampled_rows == [6]  # max_num_seqs rows of logits went through the sampler
+    assert worker.backend.query_lens == [35] * num_layers + [1] * num_layers
+    assert sampled_rows == [6, 6]
     assert all(layer.kv_cache is None for layer in worker.model.kv_cache_layers().values())
 
     # The real cache binds afterwards and serves as usual.
