@@ -7,6 +7,9 @@ minus everything this process added in between: the weights, the step's peak act
 the sampler's ``[max_num_seqs, vocab]`` logits, and memory outside PyTorch's allocator (NCCL
 buffers, cuBLAS workspaces, Triton's modules). What the device held before (other processes,
 this process's CUDA context) is not ours to count, but it must leave room for our share.
+Memory this process's allocator holds cached but unused (an engine this process ran before:
+an in-process benchmark, a rebuilt local server) is released first and, where some stays
+reserved, counted as ours to use.
 
 The arithmetic is a pure function of the snapshots, so it is tested with made-up figures on
 machines without a GPU.
@@ -14,6 +17,7 @@ machines without a GPU.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -34,32 +38,42 @@ class MemorySnapshot:
     torch_peak_bytes: int  # the allocator's high-water mark since the last reset
 
     @property
+    def cached_unused_bytes(self) -> int:
+        """Held by this process's allocator but by no live tensor: ours to reuse."""
+        return max(0, self.torch_reserved_bytes - self.torch_allocated_bytes)
+
+    @property
     def non_torch_bytes(self) -> int:
         """Device memory in use that this process's allocator does not account for."""
         return self.total_bytes - self.free_bytes - self.torch_reserved_bytes
 
 
 class CudaMemoryProbe:
-    """Snapshots of one CUDA device."""
+    """Snapshots of one CUDA device. ``cuda`` is ``torch.cuda`` or, in tests on machines
+    without a GPU, an object with the same memory functions."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, cuda=torch.cuda):
         self.device = device
+        self._cuda = cuda
 
     def reset_peak(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.device)
+        self._cuda.reset_peak_memory_stats(self.device)
 
     def release_cached(self) -> None:
-        torch.cuda.empty_cache()
+        # An earlier engine's tensors sit in reference cycles until collected; only then can
+        # the allocator hand their blocks back to the device.
+        gc.collect()
+        self._cuda.empty_cache()
 
     def snapshot(self) -> MemorySnapshot:
-        torch.cuda.synchronize(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
+        self._cuda.synchronize(self.device)
+        free, total = self._cuda.mem_get_info(self.device)
         return MemorySnapshot(
             total_bytes=total,
             free_bytes=free,
-            torch_allocated_bytes=torch.cuda.memory_allocated(self.device),
-            torch_reserved_bytes=torch.cuda.memory_reserved(self.device),
-            torch_peak_bytes=torch.cuda.max_memory_allocated(self.device),
+            torch_allocated_bytes=self._cuda.memory_allocated(self.device),
+            torch_reserved_bytes=self._cuda.memory_reserved(self.device),
+            torch_peak_bytes=self._cuda.max_memory_allocated(self.device),
         )
 
 
@@ -84,14 +98,15 @@ class KVCacheBudget:
 def check_room_for_share(before: MemorySnapshot, utilization: float) -> int:
     """The bytes this worker may use; refuses when others already hold part of them."""
     requested = int(before.total_bytes * utilization)
-    if before.free_bytes < requested:
+    available = before.free_bytes + before.cached_unused_bytes
+    if available < requested:
         raise InsufficientGpuMemoryError(
-            f"The GPU has {before.free_bytes / GiB:.2f} GiB free of {before.total_bytes / GiB:.2f}"
+            f"The GPU has {available / GiB:.2f} GiB free of {before.total_bytes / GiB:.2f}"
             f" GiB, less than this worker's share of {requested / GiB:.2f} GiB "
             f"(--gpu-memory-utilization {utilization}); "
-            f"{(before.total_bytes - before.free_bytes) / GiB:.2f} GiB is held by other "
-            "processes or this process's CUDA context. Lower --gpu-memory-utilization or free "
-            "the GPU."
+            f"{(before.total_bytes - available) / GiB:.2f} GiB is held by other "
+            "processes, this process's CUDA context or its live tensors. Lower "
+            "--gpu-memory-utilization or free the GPU."
         )
     return requested
 

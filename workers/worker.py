@@ -76,6 +76,7 @@ class Worker:
     def load_model(self) -> None:
         started = time.perf_counter()
         if self.memory is not None:
+            self.memory.release_cached()
             self.memory.reset_peak()
             self._memory_before_load = self.memory.snapshot()
         dtype = TORCH_DTYPES[self.options.model_dtype(self.model_config.dtype)]

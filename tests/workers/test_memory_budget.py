@@ -4,13 +4,20 @@ backend and the sampler, snapshot, budget) on the CPU with a scripted memory pro
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
 from kernels.attention import get_attention_backend
 from kvcore import RankReport, decode, encode, get_kv_cache_config
 from tests.workers.harness import StepDriver
-from workers.memory import InsufficientGpuMemoryError, MemorySnapshot, kv_cache_budget
+from workers.memory import (
+    CudaMemoryProbe,
+    InsufficientGpuMemoryError,
+    MemorySnapshot,
+    kv_cache_budget,
+)
 from workers.profiling import profile_request_lens
 from workers.protocol import StepResult
 from workers.worker import Worker, WorkerOptions
@@ -52,6 +59,18 @@ def test_memory_other_processes_hold_must_leave_room_for_the_share():
     message = str(info.value)
     assert "60.00 GiB free of 80.00 GiB" in message and "share of 72.00 GiB" in message
     assert "--gpu-memory-utilization 0.9" in message
+
+
+def test_memory_this_process_holds_cached_but_unused_counts_as_free():
+    # 10 GiB stays reserved by this process's allocator with no live tensor in it (segments
+    # empty_cache could not hand back): the share fits, and the cache gets what it would get
+    # on an empty device.
+    cached = snapshot(free=69 * GiB, allocated=0, reserved=10 * GiB)
+    budget = kv_cache_budget(cached, AFTER, 0.9, scratch_cache_bytes=GiB // 4)
+    assert budget == kv_cache_budget(BEFORE, AFTER, 0.9, scratch_cache_bytes=GiB // 4)
+    # The same free memory with nothing of ours cached is someone else's.
+    with pytest.raises(InsufficientGpuMemoryError, match=r"69\.00 GiB free"):
+        kv_cache_budget(snapshot(free=69 * GiB), AFTER, 0.9)
 
 
 def test_no_room_left_for_the_cache_is_refused_with_the_breakdown():
@@ -130,7 +149,13 @@ def test_the_worker_profiles_through_the_serving_backend_and_sizes_from_the_prob
 
     report = decode(worker.report_specs(), RankReport)
 
-    assert worker.memory.calls == ["reset_peak", "snapshot", "release_cached", "snapshot"]
+    assert worker.memory.calls == [
+        "release_cached",
+        "reset_peak",
+        "snapshot",
+        "release_cached",
+        "snapshot",
+    ]
     expected = kv_cache_budget(BEFORE, AFTER, 0.9, _scratch_bytes(worker)).kv_cache_bytes
     assert report.free_memory_bytes == expected
     num_layers = worker.model_config.num_hidden_layers
@@ -167,3 +192,82 @@ def test_no_profiling_on_cpu_workers_whose_budget_is_given():
     worker.load_model()
     assert decode(worker.report_specs(), RankReport).free_memory_bytes == 8 << 20
     assert torch.device("cpu") == worker.device
+
+
+class SimulatedCudaMemory:
+    """``torch.cuda``'s memory functions over a simulated device, since no GPU is here: other
+    processes and this process's CUDA context hold ``held_elsewhere``; this process's caching
+    allocator holds ``allocated`` bytes in live tensors and ``reserved`` in all, and
+    ``empty_cache`` hands back every unused block but ``pinned`` bytes (segments a live tensor
+    keeps). Only these figures are made up; the workers, their models and profiles are real."""
+
+    def __init__(self, total, held_elsewhere, pinned=0):
+        self.total, self.held_elsewhere, self.pinned = total, held_elsewhere, pinned
+        self.allocated = self.reserved = self.peak = 0
+
+    def malloc(self, nbytes):
+        self.allocated += nbytes
+        self.reserved = max(self.reserved, self.allocated)
+        self.peak = max(self.peak, self.allocated)
+
+    def free(self, nbytes):
+        self.allocated -= nbytes  # the block stays cached: reserved does not shrink
+
+    def empty_cache(self):
+        self.reserved = min(self.reserved, self.allocated + self.pinned)
+
+    def mem_get_info(self, device):
+        return self.total - self.held_elsewhere - self.reserved, self.total
+
+    def memory_allocated(self, device):
+        return self.allocated
+
+    def memory_reserved(self, device):
+        return self.reserved
+
+    def max_memory_allocated(self, device):
+        return self.peak
+
+    def reset_peak_memory_stats(self, device):
+        self.peak = self.allocated
+
+    def synchronize(self, device):
+        pass
+
+
+class EngineTensorsInACycle:
+    """An engine's device tensors that only the garbage collector frees (a model and its
+    layers refer to each other), as a finished engine's often are."""
+
+    def __init__(self, cuda, nbytes):
+        self.cuda, self.nbytes, self.cycle = cuda, nbytes, self
+        cuda.malloc(nbytes)
+
+    def __del__(self):
+        self.cuda.free(self.nbytes)
+
+
+def _start_engine(cuda) -> int:
+    """One worker started in this process on the simulated device; its KV cache budget."""
+    worker = Worker(0, WorkerOptions(max_num_batched_tokens=40, max_num_seqs=6))
+    worker.memory = CudaMemoryProbe(torch.device("cpu"), cuda=cuda)
+    worker.init_tp_group(None)
+    worker.load_model()
+    return decode(worker.report_specs(), RankReport).free_memory_bytes
+
+
+@pytest.mark.parametrize("pinned", [0, 10 * GiB])
+def test_a_second_engine_in_one_process_starts_on_what_the_first_left_cached(pinned):
+    cuda = SimulatedCudaMemory(total=80 * GiB, held_elsewhere=GiB, pinned=pinned)
+    first_budget = _start_engine(cuda)
+    assert first_budget == int(80 * GiB * 0.9)
+    gc.disable()  # the first engine's tensors wait for the collector, as they do when it is busy
+    try:
+        EngineTensorsInACycle(cuda, first_budget)  # its weights and KV cache, then it stops
+        assert cuda.allocated == first_budget  # still uncollected
+        # The second engine finds its share in what the first left, collected and released
+        # (or, where segments stay pinned, still cached but unused).
+        assert _start_engine(cuda) == first_budget
+    finally:
+        gc.enable()
+    assert cuda.allocated == 0 and cuda.reserved == pinned
