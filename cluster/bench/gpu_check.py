@@ -1,17 +1,25 @@
 """One command that checks and measures kvray on a GPU machine and prints one table.
 
-    python -m cluster.bench.gpu_check              # on a machine with NVIDIA GPUs: < 8 min
+    python -m cluster.bench.gpu_check              # on a machine with NVIDIA GPUs: < 10 min
     python -m cluster.bench.gpu_check --smoke      # the same parts, CPU-sized (CI)
 
-The parts, each a subprocess with its own deadline (one that fails or runs out of time is
-reported so, and the others still run):
+It needs torch, triton and kvray's small wheels (msgspec, grpcio, numpy), not Ray: a GPU host
+may have no room for Ray's wheel, so every part but the Ray one runs its engine in-process.
+The parts, each a subprocess with its own deadline and unbuffered output written straight to
+its log (a part that fails or runs out of time is reported so, keeps what it printed, and the
+others still run):
 
-1. ``gpu tests``: ``pytest -m gpu`` (tests/e2e/test_gpu.py): requests served through Ray with
-   the Triton backend in all six layouts, bf16, sampling at temperature > 0, TP 2 on two GPUs.
-2. ``attention``: ``python -m kernels.attention.bench``: decode bandwidth against the device's
-   copy bandwidth, prefill against SDPA, every layout.
-3. ``throughput``: ``kvray bench throughput`` through Ray against transformers on the same
-   device and dtype.
+1. ``kernels``: ``cluster.bench.kernel_accuracy``: Triton attention and cache write against the
+   references in float32, bfloat16 and float16, every layout, head size 128; max relative error.
+2. ``engine``: ``cluster.bench.engine_parity``: two in-process engines in bfloat16, torch then
+   Triton attention, in one process: token parity, each one's memory budget line, and the
+   compile stall of a fresh Triton cache.
+3. ``attention``: ``kernels.attention.bench``: decode bandwidth as a share of the device's copy
+   bandwidth, prefill against SDPA, every layout.
+4. ``throughput``: ``kvray bench throughput --in-process``, against transformers on the same
+   device and dtype when transformers is installed.
+5. ``ray tests``: ``pytest -m gpu tests/e2e``: serving through Ray (six layouts, sampling,
+   TP 2 on two GPUs, MLA); skipped where Ray or pytest is not installed.
 
 Every part's full output is kept in ``--output-dir`` beside a ``summary.json``.
 """
@@ -19,7 +27,9 @@ Every part's full output is kept in ``--output-dir`` beside a ``summary.json``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import platform
 import re
 import subprocess
@@ -36,25 +46,31 @@ ROOT = Path(__file__).resolve().parents[2]
 @dataclass
 class Part:
     name: str
-    status: str  # "passed", "failed", "timed out"
+    status: str  # "passed", "failed (exit N)", "timed out", "skipped (why)"
     seconds: float
     figures: str  # the headline numbers, one line
 
 
 def run_part(name: str, command: list[str], timeout: float, output_dir: Path):
-    """Run ``command``; returns (status, seconds, its output), the output also kept on disk."""
+    """Run ``command`` with its output going straight to ``NAME.log`` (kept, whole, when the
+    deadline kills it); returns (status, seconds, its output)."""
+    log = output_dir / f"{name.replace(' ', '-')}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     started = time.perf_counter()
-    try:
-        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-        status = "passed" if result.returncode == 0 else f"failed (exit {result.returncode})"
-        output = result.stdout + result.stderr
-    except subprocess.TimeoutExpired as exc:
-        status = "timed out"
-        output = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(
-            errors="replace"
-        )
-    (output_dir / f"{name}.log").write_text(output)
-    return status, time.perf_counter() - started, output
+    with log.open("w") as out:
+        try:
+            code = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                  timeout=timeout, env=env).returncode  # fmt: skip
+            status = "passed" if code == 0 else f"failed (exit {code})"
+        except subprocess.TimeoutExpired:
+            status = "timed out"
+    return status, time.perf_counter() - started, log.read_text(errors="replace")
+
+
+def summary_line(output: str) -> str:
+    """The ``summary: ...`` line a part prints last."""
+    lines = [line for line in output.splitlines() if line.startswith("summary: ")]
+    return lines[-1].removeprefix("summary: ") if lines else "no summary"
 
 
 def pytest_figures(output: str) -> str:
@@ -99,6 +115,49 @@ def environment() -> str:
     )
 
 
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
+
+
+def plan_parts(smoke: bool, report: Path) -> list[tuple[str, list[str], float, str | None]]:
+    """(name, command, deadline in seconds, why it is skipped or None) for every part."""
+    python = sys.executable
+    small = ["--smoke"] if smoke else []
+    sizes = (
+        ["--num-prompts", "4", "--input-len", "8-24", "--output-len", "4-8",
+         "--kv-cache-memory", "16MiB", "--max-model-len", "256", "--hf-batch-size", "4"]
+        if smoke
+        else ["--model", "embedded:20m", "--num-prompts", "256", "--input-len", "32-256",
+              "--output-len", "16-256", "--max-model-len", "1024"]
+    )  # fmt: skip
+    compare = ["--compare", "transformers"] if installed("transformers") else []
+    no_ray = next((f"skipped ({m} not installed)" for m in ("ray", "pytest") if not installed(m)),
+                  None)  # fmt: skip
+    return [
+        ("kernels", [python, "-m", "cluster.bench.kernel_accuracy", *small], 150, None),
+        ("engine", [python, "-m", "cluster.bench.engine_parity", *small], 150, None),
+        ("attention", [python, "-m", "kernels.attention.bench",
+                       *(["--small"] if smoke else [])], 120, None),
+        ("throughput", [python, "-m", "cluster.cli", "bench", "throughput", "--in-process",
+                        *sizes, *compare, "--output-json", str(report), "--log-level",
+                        "WARNING"], 120, None),
+        ("ray tests", [python, "-m", "pytest", "-q", "-m", "gpu", "tests/e2e"], 240, no_ray),
+    ]  # fmt: skip
+
+
+def figures_of(name: str, output: str, report: Path) -> str:
+    if name in ("kernels", "engine"):
+        return summary_line(output)
+    if name == "attention":
+        return attention_figures(output)
+    if name == "throughput":
+        return throughput_figures(report)
+    return pytest_figures(output)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="CPU-sized parts (CI)")
@@ -106,47 +165,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     output_dir = Path(args.output_dir or f"gpu-check-{time.strftime('%Y%m%d-%H%M%S')}")
     output_dir.mkdir(parents=True, exist_ok=True)
-    python = sys.executable
     report = output_dir / "throughput.json"
-    sizes = (
-        ["--num-prompts", "6", "--input-len", "8-24", "--output-len", "4-12",
-         "--kv-cache-memory", "16MiB", "--max-model-len", "256", "--hf-batch-size", "4"]
-        if args.smoke
-        else ["--model", "embedded:20m", "--num-prompts", "256", "--input-len", "32-256",
-              "--output-len", "16-256", "--max-model-len", "1024"]
-    )  # fmt: skip
-    plan = [
-        ("gpu tests", [python, "-m", "pytest", "-q", "-m", "gpu", "tests/e2e"], 240),
-        (
-            "attention",
-            [python, "-m", "kernels.attention.bench", *(["--small"] if args.smoke else [])],
-            120,
-        ),
-        (
-            "throughput",
-            [python, "-m", "cluster.cli", "bench", "throughput", *sizes,
-             "--compare", "transformers", "--output-json", str(report), "--log-level", "WARNING"],
-            120,
-        ),
-    ]  # fmt: skip
+    print(f"kvray GPU check: {environment()}", flush=True)
+    print(f"{'part':<11} {'status':<28} {'seconds':>7}  figures", flush=True)
     parts = []
-    for name, command, timeout in plan:
-        status, seconds, output = run_part(name, command, timeout, output_dir)
-        if name == "gpu tests":
-            figures = pytest_figures(output)
-        elif name == "attention":
-            figures = attention_figures(output)
+    for name, command, timeout, skipped in plan_parts(args.smoke, report):
+        if skipped:
+            part = Part(name, skipped, 0.0, "")
         else:
-            figures = throughput_figures(report)
-        parts.append(Part(name, status, seconds, figures))
-    print(f"kvray GPU check: {environment()}")
-    print(f"{'part':<11} {'status':<16} {'seconds':>7}  figures")
-    for part in parts:
-        print(f"{part.name:<11} {part.status:<16} {part.seconds:>7.0f}  {part.figures}")
+            status, seconds, output = run_part(name, command, timeout, output_dir)
+            part = Part(name, status, seconds, figures_of(name, output, report))
+        # One line per part as it ends: a check cut short still shows what it finished.
+        print(f"{part.name:<11} {part.status:<28} {part.seconds:>7.0f}  {part.figures}", flush=True)
+        parts.append(part)
     summary = {"environment": environment(), "parts": [asdict(p) for p in parts]}
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"logs: {output_dir}")
-    return 0 if all(p.status == "passed" for p in parts) else 1
+    ran = [p for p in parts if not p.status.startswith("skipped")]
+    return 0 if all(p.status == "passed" for p in ran) else 1
 
 
 if __name__ == "__main__":

@@ -1,28 +1,51 @@
 """The GPU check command runs end to end, CPU-sized (``--smoke``), and prints its table: the
-command a GPU session runs must not be the first time it runs."""
+command a GPU session runs must not be the first time it runs. It runs here as on a bare GPU
+host without Ray: every process it starts has ``import ray`` fail."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
+BLOCK_RAY = """
+import sys
 
-def test_gpu_check_smoke_prints_one_table(tmp_path):
+class NoRay:
+    def find_spec(self, name, path=None, target=None):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError("ray is not installed on this host")
+
+sys.meta_path.insert(0, NoRay())
+"""
+
+
+def test_gpu_check_smoke_runs_without_ray_and_prints_one_line_per_part(tmp_path):
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(BLOCK_RAY)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    output_dir = tmp_path / "out"
     result = subprocess.run(
-        [sys.executable, "-m", "cluster.bench.gpu_check", "--smoke", "--output-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+        [sys.executable, "-m", "cluster.bench.gpu_check", "--smoke", "--output-dir",
+         str(output_dir)],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert lines[0].startswith("kvray GPU check: ")
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = json.loads((output_dir / "summary.json").read_text())
     parts = {p["name"]: p for p in summary["parts"]}
-    assert list(parts) == ["gpu tests", "attention", "throughput"]
-    assert all(p["status"] == "passed" for p in parts.values())
+    assert list(parts) == ["kernels", "engine", "attention", "throughput", "ray tests"]
+    assert parts.pop("ray tests")["status"] == "skipped (ray not installed)"
+    assert all(p["status"] == "passed" for p in parts.values()), parts
+    assert "within bounds" in parts["kernels"]["figures"]
+    assert "float16" in parts["kernels"]["figures"]
+    assert "2/2 sequences identical" in parts["engine"]["figures"]
+    assert "second engine started" in parts["engine"]["figures"]
     assert "of copy bandwidth" in parts["attention"]["figures"]
-    assert "kvray (ray, TP 1)" in parts["throughput"]["figures"]
+    assert "kvray" in parts["throughput"]["figures"]
     assert "transformers" in parts["throughput"]["figures"]
-    assert all((tmp_path / f"{name}.log").exists() for name in parts)
+    for name in parts:
+        assert (output_dir / f"{name}.log").exists()
+        assert any(line.startswith(f"{name} ") for line in lines), name
