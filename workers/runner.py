@@ -10,7 +10,6 @@ stays identical.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +18,7 @@ from kernels.attention import AttentionBackend
 from kvcore import KVCacheConfig
 from kvcore._math import cdiv
 from workers.block_table import BlockTable
+from workers.device_timing import DeviceTimer, to_host_list
 from workers.forward_context import ForwardContext, set_forward_context
 from workers.grammar.matchers import GrammarMatchers
 from workers.group_step import GroupContext, GroupStepBuilder, StepBatch, StepLimits
@@ -103,9 +103,9 @@ class ModelRunner:
         request_ids, row_indices = self._sampled_rows(batch, drafts)
         # The rows rank 0 samples, made once: their bitmasks are filled during the forward.
         rows = self._sampling_rows(request_ids, drafts) if get_tp_group().is_first_rank else []
-        hidden, forward_seconds, masks = self._forward(batch, rows)
-        logits, logits_seconds = self._logits(hidden, row_indices)
-        forward_seconds += logits_seconds
+        timer = DeviceTimer(self.device)
+        hidden, masks = self._forward(batch, rows, timer)
+        logits = self._logits(hidden, row_indices, timer)
         sampled, logprobs, refused, accepted = self._sample(
             request_ids, drafts, rows, masks, logits
         )
@@ -115,7 +115,7 @@ class ModelRunner:
         return StepResult(
             sampled=sampled,
             logprobs=logprobs,
-            forward_seconds=forward_seconds,
+            forward_seconds=timer.seconds(),
             refused=refused,
             num_accepted=accepted,
         )
@@ -194,11 +194,11 @@ class ModelRunner:
         return request_ids, indices
 
     def _forward(
-        self, batch: StepBatch, rows: list[SamplingRow]
-    ) -> tuple[torch.Tensor, float, GrammarMasks | None]:
-        """Hidden states ``[T, hidden]``, the seconds of the model call alone (metadata
-        building counts as step overhead), and the bitmasks of ``rows`` that are constrained,
-        filled while the device runs the forward (on a CPU, simply after it)."""
+        self, batch: StepBatch, rows: list[SamplingRow], timer: DeviceTimer
+    ) -> tuple[torch.Tensor, GrammarMasks | None]:
+        """Hidden states ``[T, hidden]`` and the bitmasks of ``rows`` that are constrained,
+        filled while the device runs the forward (on a CPU, simply after it). ``timer``
+        times the model call alone: metadata building counts as step overhead."""
         steps = [
             builder.build(batch, table.rows(batch.request_ids))
             for builder, table in zip(self.group_steps, self.block_tables, strict=True)
@@ -209,31 +209,25 @@ class ModelRunner:
         with torch.inference_mode(), set_forward_context(context):
             for builder in self.group_steps:
                 builder.before_forward()
-            started = time.perf_counter()
+            timer.start()
             hidden = self.model(token_ids, positions)  # [T, hidden]
-            is_async = self.device.type == "cuda"
-            masks = None
-            if is_async:  # the kernels are queued: fill the masks while they run
-                masks = self.sampler.fill_masks(rows)
-                torch.cuda.synchronize(self.device)  # ... then time them
-            elapsed = time.perf_counter() - started
-            if not is_async:
-                masks = self.sampler.fill_masks(rows)
-            return hidden, elapsed, masks
+            timer.stop()
+            # On a GPU the kernels are queued and the host is free: the masks are filled while
+            # they run. Nothing waits for the device until the tokens come back.
+            return hidden, self.sampler.fill_masks(rows)
 
     def _logits(
-        self, hidden: torch.Tensor, row_indices: list[int]
-    ) -> tuple[torch.Tensor | None, float]:
-        """The sampled rows' logits ``[rows, vocab]``, and the seconds the LM head took (part
-        of the forward: at SmolLM2's 49152 words a tenth of a decode step)."""
+        self, hidden: torch.Tensor, row_indices: list[int], timer: DeviceTimer
+    ) -> torch.Tensor | None:
+        """The sampled rows' logits ``[rows, vocab]``; the LM head is timed as part of the
+        forward (at SmolLM2's 49152 words a tenth of a decode step)."""
         if not row_indices:
-            return None, 0.0
-        started = time.perf_counter()
+            return None
         with torch.inference_mode():
+            timer.start()
             logits = self.model.compute_logits(hidden[row_indices])
-        if self.device.type == "cuda":  # queued: sampling waits for it right after anyway
-            torch.cuda.synchronize(self.device)
-        return logits, time.perf_counter() - started
+            timer.stop()
+        return logits
 
     def _sample(
         self,
@@ -267,7 +261,7 @@ class ModelRunner:
             logprobs, refused = sampled.logprobs, sampled.refused
         else:
             message = torch.empty(message_len, dtype=torch.int64, device=self.device)
-        message = broadcast_from_first(message).tolist()
+        message = to_host_list(broadcast_from_first(message))
         tokens, accepted = message[:num_rows], message[num_rows:]
         new_tokens, num_accepted = {}, {}
         row = 0
