@@ -40,9 +40,11 @@ class DeviceTimer:
         self._started = None
 
     def seconds(self) -> float:
-        """The intervals' total; on a GPU this waits for the last one to finish."""
+        """The intervals' total; on a GPU this waits for the last one to finish (the events
+        are on one stream: the earlier ones are done by then)."""
+        if self._events:
+            self._events[-1][1].synchronize()
         for started, stopped in self._events:
-            stopped.synchronize()
             self._seconds += started.elapsed_time(stopped) / 1000
         self._events.clear()
         return self._seconds

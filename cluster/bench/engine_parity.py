@@ -36,7 +36,6 @@ from cluster.local import LocalServer
 
 @dataclass
 class EngineRun:
-    backend: str
     tokens: list[list[int]]
     start_s: float
     first_batch_s: float
@@ -83,7 +82,7 @@ def run_engine(
             _, repeat_s = batch(client, prompts(1, num_prompts, vocab_size), max_tokens)
     finally:
         logging.getLogger("workers.worker").removeHandler(handler)
-    return EngineRun(config.attention_backend, tokens, start_s, first_s, repeat_s, handler.line)
+    return EngineRun(tokens, start_s, first_s, repeat_s, handler.line)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

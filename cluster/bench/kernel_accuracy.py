@@ -27,11 +27,12 @@ if not torch.cuda.is_available():
 import kvcore
 from kernels.attention.cache_write import write_kv
 from kernels.attention.params import AttentionParams
-from kernels.attention.reference import dense_attention_float64, write_kv_reference
+from kernels.attention.reference import write_kv_reference
 from tests.kernels.cases import (
     BATCHES,
     WINDOW,
     blocks_needed,
+    dense_outputs,
     make_batch,
     make_cache,
     poisoned,
@@ -65,12 +66,7 @@ def attention_error(layout: str, dtype_name: str, head_size: int) -> float:
             shape = (*batch.query.shape[:2], head_size)
             out = poisoned(shape, batch.query.dtype)
             paged_attention(batch.query, cache.view, batch.metadata, params, out=out)
-            starts = batch.metadata.query_start_loc_cpu
-            dense = torch.cat([
-                dense_attention_float64(batch.query[starts[i] : starts[i + 1]], k, v, params)
-                for i, (k, v) in enumerate(zip(batch.keys, batch.values, strict=True))
-            ])  # fmt: skip
-            worst = max(worst, relative_error(out, dense))
+            worst = max(worst, relative_error(out, dense_outputs(batch, params)))
     return worst
 
 

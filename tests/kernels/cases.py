@@ -14,7 +14,8 @@ import torch
 
 import kvcore
 from kernels.attention.metadata import AttentionMetadata, build_attention_metadata
-from kernels.attention.reference import write_kv_reference
+from kernels.attention.params import AttentionParams
+from kernels.attention.reference import dense_attention_float64, write_kv_reference
 
 # Compiled kernels on a GPU; the Triton interpreter (see conftest.py) on a CPU.
 DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -111,6 +112,16 @@ def make_batch(
     keys = [key[bounds[i] : bounds[i + 1]] for i in range(len(requests))]
     values = [value[bounds[i] : bounds[i + 1]] for i in range(len(requests))]
     return Batch(metadata, query, keys, values)
+
+
+def dense_outputs(batch: Batch, params: AttentionParams) -> torch.Tensor:
+    """Each request's attention by the dense float64 oracle, concatenated ``[T, Hq, Dv]``."""
+    starts = batch.metadata.query_start_loc_cpu
+    outs = [
+        dense_attention_float64(batch.query[starts[i] : starts[i + 1]], key, value, params)
+        for i, (key, value) in enumerate(zip(batch.keys, batch.values, strict=True))
+    ]
+    return torch.cat(outs)  # [T, Hq, Dv]
 
 
 def randn(shape, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:

@@ -18,12 +18,13 @@ from tests.kernels.cases import (
     LAYER_NAMES,
     Request,
     blocks_needed,
+    dense_outputs,
     make_batch,
     make_cache,
     poisoned,
     relative_error,
 )
-from tests.kernels.test_paged_attention import compare_three_ways, dense_outputs
+from tests.kernels.test_paged_attention import compare_three_ways
 
 MIXED = BATCHES["mixed"]
 

@@ -20,12 +20,13 @@ from tests.kernels.cases import (
     BATCHES,
     WINDOW,
     blocks_needed,
+    dense_outputs,
     make_batch,
     make_cache,
     poisoned,
     relative_error,
 )
-from tests.kernels.test_paged_attention import HEAD_GROUPS, dense_outputs
+from tests.kernels.test_paged_attention import HEAD_GROUPS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOLERANCES = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}

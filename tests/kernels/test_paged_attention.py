@@ -17,7 +17,7 @@ import torch
 import kvcore
 from kernels.attention.paged_attention import paged_attention
 from kernels.attention.params import AttentionParams
-from kernels.attention.reference import dense_attention_float64, paged_attention_reference
+from kernels.attention.reference import paged_attention_reference
 from tests.kernels.cases import (
     BATCHES,
     DTYPES,
@@ -25,6 +25,7 @@ from tests.kernels.cases import (
     WINDOW,
     Batch,
     blocks_needed,
+    dense_outputs,
     make_batch,
     make_cache,
     poisoned,
@@ -35,15 +36,6 @@ HEAD_SIZE = 16
 # name -> (query heads, KV heads)
 HEAD_GROUPS = {"gqa1": (2, 2), "gqa4": (8, 2), "mqa8": (8, 1)}
 NUM_SPARE_BLOCKS = 3
-
-
-def dense_outputs(batch: Batch, params: AttentionParams) -> torch.Tensor:
-    starts = batch.metadata.query_start_loc_cpu
-    outs = [
-        dense_attention_float64(batch.query[starts[i] : starts[i + 1]], key, value, params)
-        for i, (key, value) in enumerate(zip(batch.keys, batch.values, strict=True))
-    ]
-    return torch.cat(outs)  # [T, Hq, Dv]
 
 
 def compare_three_ways(batch: Batch, view: torch.Tensor, params: AttentionParams, dtype_name):
