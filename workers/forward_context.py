@@ -17,6 +17,9 @@ from workers.group_step import GroupStep
 @dataclass(frozen=True)
 class ForwardContext:
     steps_by_layer: Mapping[str, GroupStep]  # layer name -> its KV-cache group's step
+    # The forward is a decode graph's region (``workers.cuda_graphs``): what it computes is
+    # replayed, so no layer may read the device back or keep host-side state of a step.
+    is_graph_region: bool = False
 
     def step_for(self, layer_name: str) -> GroupStep:
         return self.steps_by_layer[layer_name]
@@ -29,6 +32,11 @@ def get_forward_context() -> ForwardContext:
     if _current is None:
         raise RuntimeError("attention ran outside a forward context (use set_forward_context)")
     return _current
+
+
+def in_graph_region() -> bool:
+    """Whether the forward running now is a decode graph's region (False outside any)."""
+    return _current is not None and _current.is_graph_region
 
 
 @contextmanager

@@ -68,9 +68,29 @@ class GroupStep:
     kernels: Any
 
 
+class GraphStepInputs(ABC):
+    """A group's part of the decode steps replayed from CUDA graphs (``workers.cuda_graphs``):
+    static device buffers its metadata views, written before each replay."""
+
+    @abstractmethod
+    def step(self, batch_size: int) -> GroupStep:
+        """The step a graph of ``batch_size`` decode rows is captured with (and replays)."""
+
+    @abstractmethod
+    def load(self, batch: StepBatch, block_rows: torch.Tensor, batch_size: int) -> None:
+        """Write a decode step of at most ``batch_size`` requests into the buffers, the rows
+        past it padding."""
+
+
 class GroupStepBuilder(ABC):
     def __init__(self, group: GroupContext):
         self.group = group
+
+    def graph_inputs(self, max_batch: int, max_blocks: int) -> GraphStepInputs | None:
+        """Static inputs for decode graphs of up to ``max_batch`` requests of up to
+        ``max_blocks`` blocks; None where this kind's steps cannot be captured (then the
+        engine decodes eagerly)."""
+        return None
 
     @abstractmethod
     def build(self, batch: StepBatch, block_rows: torch.Tensor) -> GroupStep:

@@ -96,6 +96,14 @@ class RankSettings(msgspec.Struct, frozen=True, kw_only=True):
         int, setting("tokens per engine step (prefills are chunked to fit)")
     ] = 2048
     max_num_seqs: Annotated[int, setting("requests running at once")] = 256
+    enforce_eager: Annotated[
+        bool,
+        setting(
+            "GPU workers: run every decode step eagerly instead of replaying it from a CUDA "
+            "graph captured at startup (graphs of 1, 2, 4, 8, 16, ... requests, up to "
+            "--max-num-seqs or 256)"
+        ),
+    ] = False
     enable_prefix_caching: Annotated[
         bool, setting("reuse the KV cache of shared prompt prefixes")
     ] = True

@@ -18,6 +18,7 @@ from kernels.attention import AttentionBackend
 from kvcore import KVCacheConfig
 from kvcore._math import cdiv
 from workers.block_table import BlockTable
+from workers.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from workers.device_timing import DeviceTimer, to_host_list
 from workers.forward_context import ForwardContext, set_forward_context
 from workers.grammar.matchers import GrammarMatchers
@@ -68,13 +69,32 @@ class ModelRunner:
             )
             for group in config.kv_cache_groups
         ]
-        self.group_steps = self._group_step_builders(limits or StepLimits())
+        self.limits = limits or StepLimits()
+        self.group_steps = self._group_step_builders(self.limits)
         # Which group each cache layer's blocks come from.
         self.layer_groups = {
             name: index
             for index, group in enumerate(config.kv_cache_groups)
             for name in group.layer_names
         }
+        self.graphs: DecodeGraphs | None = None  # eager until use_decode_graphs()
+
+    def use_decode_graphs(self, mode: str = "cuda") -> bool:
+        """Capture decode graphs (``workers.cuda_graphs``; ``mode="emulate"`` on CPUs, for
+        tests) once the KV cache is bound. False when a group's kind or backend cannot be
+        captured: decode stays eager."""
+        self.graphs = DecodeGraphs.for_runner(
+            self.model,
+            self.group_steps,
+            self.layer_groups,
+            [table.width for table in self.block_tables],
+            graph_batch_sizes(self.limits.max_num_seqs),
+            self.device,
+            mode,
+        )
+        if self.graphs is not None:
+            self.graphs.capture_all()
+        return self.graphs is not None
 
     def _group_step_builders(self, limits: StepLimits) -> list[GroupStepBuilder]:
         """One per group, made by the kind of its layers."""
@@ -199,9 +219,16 @@ class ModelRunner:
         """Hidden states ``[T, hidden]`` and the bitmasks of ``rows`` that are constrained,
         filled while the device runs the forward (on a CPU, simply after it). ``timer``
         times the model call alone: metadata building counts as step overhead."""
+        tables = [table.rows(batch.request_ids) for table in self.block_tables]
+        if self.graphs is not None and self.graphs.can_run(batch):
+            size = self.graphs.load(batch, tables)
+            timer.start()
+            hidden = self.graphs.replay(size, len(batch.request_ids))
+            timer.stop()
+            return hidden, self.sampler.fill_masks(rows)
         steps = [
-            builder.build(batch, table.rows(batch.request_ids))
-            for builder, table in zip(self.group_steps, self.block_tables, strict=True)
+            builder.build(batch, rows_of_group)
+            for builder, rows_of_group in zip(self.group_steps, tables, strict=True)
         ]
         context = ForwardContext({name: steps[i] for name, i in self.layer_groups.items()})
         token_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)

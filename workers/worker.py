@@ -176,8 +176,15 @@ class Worker:
         )
         limits = StepLimits(self.options.max_num_batched_tokens, self.options.max_num_seqs)
         self.runner = ModelRunner(
-            self.model, self.backend, config, self.device, limits, self._grammar_vocabulary
+            self.model,
+            self.backend,
+            config,
+            self.device,
+            limits,
+            self._grammar_vocabulary,
         )
+        if self.device.type == "cuda" and not self.options.enforce_eager:
+            self.runner.use_decode_graphs()
         return self._raw_kv_cache.numel()
 
     def _grammar_vocabulary(self):

@@ -37,6 +37,9 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("bfloat16", "float16", "float32")
+    # Whether a decode step can be captured in a CUDA graph: its kernels read every per-step
+    # value from device tensors, never from the metadata's host copies.
+    supports_cuda_graphs: ClassVar[bool] = False
 
     def supported_kv_cache_layouts(self) -> tuple[KVCacheLayout, ...]:
         """Every layout: the kernels read the cache only through the views' strides."""

@@ -18,6 +18,7 @@ from kernels.registry import check_can_launch
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    supports_cuda_graphs = True
 
     def write_kv(
         self,

@@ -143,19 +143,23 @@ def align_by_expert(
     flat = topk_ids.reshape(-1).clamp(max=num_experts)  # num_experts: held elsewhere
     num_pairs = flat.numel()
     device = flat.device
-    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+    # No bincount or boolean indexing: on a GPU both read the device back (a size, a max),
+    # which a CUDA graph cannot capture.
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts = counts.scatter_add_(0, flat, torch.ones_like(flat))[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     starts = ends - padded
     order = torch.argsort(flat, stable=True)
     experts = flat[order]
-    here = experts < num_experts
     safe = experts.clamp(max=num_experts - 1)
     first_sorted = counts.cumsum(0) - counts  # where each expert's pairs begin in ``order``
     dest = starts[safe] + torch.arange(num_pairs, device=device) - first_sorted[safe]
     max_rows = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
-    sorted_pairs = torch.full((max_rows,), -1, dtype=torch.int32, device=device)
-    sorted_pairs[dest[here]] = order[here].to(torch.int32)
+    # Pairs held elsewhere land in one extra row, cut off after.
+    dest = torch.where(experts < num_experts, dest, max_rows)
+    sorted_pairs = torch.full((max_rows + 1,), -1, dtype=torch.int32, device=device)
+    sorted_pairs = sorted_pairs.scatter_(0, dest, order.to(torch.int32))[:max_rows]
     block_starts = torch.arange(0, max_rows, block_m, device=device)
     block_expert = torch.searchsorted(ends, block_starts, right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)

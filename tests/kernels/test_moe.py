@@ -235,3 +235,26 @@ def test_gpt_oss_router_softmaxes_its_top_logits_as_transformers_does():
     _, hf_weights, hf_ids = router(x)
     weights, ids = top_k_softmax(F.linear(x, router.weight, router.bias), 3)
     assert torch.equal(ids, hf_ids) and torch.allclose(weights, hf_weights)
+
+
+def test_fused_experts_and_routers_never_read_the_device_back():
+    """What a decode graph captures of a MoE layer: every router and the fused kernels with
+    their sorting, ids held elsewhere included (expert parallelism), under the host-sync
+    guard. The torch path (CPUs) reads expert counts back and is refused by the same guard."""
+    from kernels.moe.reference import biased_group_top_k, group_limited_top_k
+    from tests.host_sync_guard import HostSyncError, refuse_host_syncs
+
+    x, w13, w2, _, _ = problem(13, 8, 2, 48, 40, torch.float32)
+    logits = torch.randn(13, 8)
+    with refuse_host_syncs():
+        choices = [
+            select_experts(logits, 2, renormalize=True),
+            group_limited_top_k(logits, 2, 4, 2),
+            biased_group_top_k(logits, torch.randn(8), 2, 4, 2, renormalize=True),
+        ]
+        held = [(w, torch.where(ids < 4, ids, 4)) for w, ids in choices]  # experts 4-7 elsewhere
+        outputs = [fused_experts(x, w13[:4], w2[:4], w, ids) for w, ids in held]
+    for (weights, ids), out in zip(held, outputs, strict=True):
+        assert relative(out, oracle(x, w13[:4], w2[:4], weights, ids)) < 1e-5
+    with pytest.raises(HostSyncError), refuse_host_syncs():
+        grouped_experts(x, w13, w2, *choices[0])

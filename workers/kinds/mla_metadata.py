@@ -39,7 +39,8 @@ from kernels.attention import AttentionBackend
 from kernels.attention.metadata import AttentionMetadata, build_attention_metadata
 from kernels.host import HOST
 from kernels.mla import MLABackend, get_mla_backend
-from workers.group_step import GroupContext, GroupStep, GroupStepBuilder, StepBatch
+from workers.group_step import GraphStepInputs, GroupContext, GroupStep, GroupStepBuilder, StepBatch
+from workers.kinds.attention_step import AttentionGraphInputs
 from workers.model_config import MLAConfig
 
 
@@ -236,3 +237,27 @@ class MLAStep(GroupStepBuilder):
             group.limits.max_num_seqs,
         )
         return GroupStep(metadata, self.kernels)
+
+    def graph_inputs(self, max_batch: int, max_blocks: int) -> GraphStepInputs | None:
+        if not self.group.backend.supports_cuda_graphs:
+            return None
+        return MLAGraphInputs(self.group, max_batch, max_blocks, self.kernels)
+
+
+class MLAGraphInputs(AttentionGraphInputs):
+    """Decode rows all attend in latent space, each over its whole context: the latent rows
+    are the group's own block table and lengths."""
+
+    def __init__(self, group: GroupContext, max_batch: int, max_blocks: int, kernels: MLAKernels):
+        super().__init__(group, max_batch, max_blocks)
+        self.kernels = kernels
+
+    def step(self, batch_size: int) -> GroupStep:
+        attention = self.static.metadata(batch_size, self.max_seq_len)
+        latent = LatentQueries(
+            token_index=None,
+            block_table=attention.block_table,
+            seq_lens=attention.seq_lens,
+            max_rows_per_call=max(batch_size, self.group.limits.max_num_seqs),
+        )
+        return GroupStep(MLAMetadata(attention, latent, expanded=None), self.kernels)

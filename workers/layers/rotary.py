@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from workers.forward_context import in_graph_region
 from workers.model_config import RopeScaling
 
 
@@ -60,10 +61,11 @@ class RotaryEmbedding(nn.Module):
             same, version, cos, sin = self._step
             if same is positions and version == positions._version:
                 return cos, sin
-        if positions.device.type == "cpu":
+        if positions.device.type == "cpu" and not in_graph_region():
             # Rows of a table kept across steps: one gather where the product and its two
             # transcendental functions cost ~0.2 ms a step on two cores. (On a GPU they are
-            # cheap, and sizing the table would read the positions back.)
+            # cheap, and sizing the table would read the positions back, which a graph's
+            # region may not.)
             tables = self._cpu_tables(int(positions.max()) + 1)
             cos, sin = (table.index_select(0, positions) for table in tables)
         else:
