@@ -87,6 +87,28 @@ def test_the_cpu_tables_give_each_position_its_cos_and_sin(scaling):
     assert rotary._tables[0].shape[0] == 8192
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_a_half_precision_step_casts_its_tables_once_for_every_layer(interleaved):
+    """Every layer of a bf16 model rotates by the step's tables cast once: the same result as
+    casting them in each layer, one cast per step (a new step casts again)."""
+    from workers.layers.rotary import RotaryEmbedding, _rotate, _rotate_pairs
+
+    rotary = RotaryEmbedding(16, 10000.0, is_interleaved=interleaved)
+    query = torch.randn(5, 2, 16).to(torch.bfloat16)
+    for step in range(2):
+        positions = torch.arange(5) + 7 * step
+        layers = [rotary.rotate(positions, query)]
+        cast = rotary._cast
+        layers += [rotary.rotate(positions, query) for _ in range(2)]
+        assert rotary._cast is cast  # the later layers reused the first one's
+        assert cast[2].dtype == torch.bfloat16 and cast[0] is rotary._cos_sin(positions)[0]
+        rotary._cast = None  # the per-layer cast, to compare with
+        cos, sin = (t.to(torch.bfloat16)[:, None, :] for t in rotary._cos_sin(positions))
+        expected = (_rotate_pairs if interleaved else _rotate)(query, cos, sin)
+        assert all(torch.equal(layer, expected) for layer in layers)
+        rotary._cast = cast
+
+
 def test_unknown_rope_types_are_refused_listing_the_supported_ones():
     raw = llama_config(16, 10000.0, 64, None).to_dict()
     raw["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}

@@ -38,6 +38,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._step: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None  # see _cpu_tables
+        self._cast: tuple | None = None  # (the step's fp32 cos, dtype, cos and sin in it)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
@@ -47,12 +48,24 @@ class RotaryEmbedding(nn.Module):
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Every head of ``x`` ``[T, H, D]`` rotated by its token's position."""
-        cos, sin = self._cos_sin(positions)
-        cos = cos.to(x.dtype)[:, None, :]  # [T, 1, D]
-        sin = sin.to(x.dtype)[:, None, :]
+        cos, sin = self._cos_sin_as(positions, x.dtype)
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]
         if self.is_interleaved:
             return _rotate_pairs(x, cos, sin)
         return _rotate(x, cos, sin)
+
+    def _cos_sin_as(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's tables in ``dtype``, cast once per step for every layer (a bf16 model
+        would otherwise cast them twice in each)."""
+        cos, sin = self._cos_sin(positions)
+        if cos.dtype == dtype:
+            return cos, sin
+        cast = self._cast
+        if cast is None or cast[0] is not cos or cast[1] != dtype:
+            cast = self._cast = (cos, dtype, cos.to(dtype), sin.to(dtype))
+        return cast[2], cast[3]
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``[T, D]`` tables of this step, computed once for all layers. The same tensor
