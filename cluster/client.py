@@ -39,6 +39,11 @@ class InvalidRequestError(KVRayError):
     """The request was malformed (bad sampling values, a prompt too long, ...)."""
 
 
+class RequestTooLargeError(InvalidRequestError):
+    """The request is larger than the server takes (its ``--max-request-body``): gRPC says
+    RESOURCE_EXHAUSTED, as for a full queue, but retrying cannot help."""
+
+
 class OverloadedError(KVRayError):
     """The server's queue is full; retry later."""
 
@@ -61,7 +66,15 @@ _ERRORS = {
 
 def _translate(error: grpc.RpcError) -> KVRayError:
     code = error.code()
-    return _ERRORS.get(code, KVRayError)(error.details() or str(code), code)
+    details = error.details() or str(code)
+    # gRPC refuses an oversized message with the status of an overloaded server.
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
+        return RequestTooLargeError(
+            f"{details}: the request is larger than the server accepts (its "
+            "--max-request-body); shorten it",
+            code,
+        )
+    return _ERRORS.get(code, KVRayError)(details, code)
 
 
 @dataclass(frozen=True)

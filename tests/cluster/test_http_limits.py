@@ -19,7 +19,12 @@ import httpx
 import pytest
 
 from cluster.cli import build_parser, engine_config
-from cluster.client import Client, InvalidRequestError, KVRayError
+from cluster.client import (
+    Client,
+    InvalidRequestError,
+    OverloadedError,
+    RequestTooLargeError,
+)
 from tests.cluster.http_helpers import (
     CHAT,
     COMPLETION,
@@ -178,10 +183,12 @@ def test_a_50_mb_chat_body_is_refused_at_once_while_health_answers(server):
 
 def test_the_same_limit_holds_for_grpc_and_comes_from_one_flag(server):
     with Client(server.address, api_key=KEY, timeout=60) as client:
-        with pytest.raises(KVRayError) as info:
+        with pytest.raises(RequestTooLargeError) as info:
             client.generate("x" * (5 << 20), max_tokens=1)
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "4194304" in str(info.value)
+        assert "4194304" in str(info.value) and "--max-request-body" in str(info.value)
+        assert isinstance(info.value, InvalidRequestError)  # not an overloaded server
+        assert not isinstance(info.value, OverloadedError)
         assert len(client.generate("still here", max_tokens=2).token_ids) == 2
     args = build_parser().parse_args(["serve", "--max-request-body", "8MiB"])
     assert engine_config(args).max_request_body_bytes == 8 << 20
