@@ -11,14 +11,17 @@ others still run):
 
 1. ``kernels``: ``cluster.bench.kernel_accuracy``: Triton attention and cache write against the
    references in float32, bfloat16 and float16, every layout, head size 128; max relative error.
-2. ``engine``: ``cluster.bench.engine_parity``: two in-process engines in bfloat16, torch then
+2. ``mla/mamba``: ``cluster.bench.mla_mamba_accuracy``: the MLA latent write and split-KV
+   decode (every layout) and the Mamba conv1d and SSD scan (prefill and decode) against their
+   torch references in the same three dtypes, at DeepSeek-V3 and NemotronH per-rank sizes.
+3. ``engine``: ``cluster.bench.engine_parity``: two in-process engines in bfloat16, torch then
    Triton attention, in one process: token parity, each one's memory budget line, and the
    compile stall of a fresh Triton cache.
-3. ``attention``: ``kernels.attention.bench``: decode bandwidth as a share of the device's copy
+4. ``attention``: ``kernels.attention.bench``: decode bandwidth as a share of the device's copy
    bandwidth, prefill against SDPA, every layout.
-4. ``throughput``: ``kvray bench throughput --in-process``, against transformers on the same
+5. ``throughput``: ``kvray bench throughput --in-process``, against transformers on the same
    device and dtype when transformers is installed.
-5. ``ray tests``: ``pytest -m gpu tests/e2e``: serving through Ray (six layouts, sampling,
+6. ``ray tests``: ``pytest -m gpu tests/e2e``: serving through Ray (six layouts, sampling,
    TP 2 on two GPUs, MLA); skipped where Ray or pytest is not installed.
 
 Every part's full output is kept in ``--output-dir`` beside a ``summary.json``.
@@ -54,7 +57,7 @@ class Part:
 def run_part(name: str, command: list[str], timeout: float, output_dir: Path):
     """Run ``command`` with its output going straight to ``NAME.log`` (kept, whole, when the
     deadline kills it); returns (status, seconds, its output)."""
-    log = output_dir / f"{name.replace(' ', '-')}.log"
+    log = output_dir / log_name(name)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     started = time.perf_counter()
     with log.open("w") as out:
@@ -65,6 +68,10 @@ def run_part(name: str, command: list[str], timeout: float, output_dir: Path):
         except subprocess.TimeoutExpired:
             status = "timed out"
     return status, time.perf_counter() - started, log.read_text(errors="replace")
+
+
+def log_name(part: str) -> str:
+    return re.sub(r"[ /]", "-", part) + ".log"
 
 
 def summary_line(output: str) -> str:
@@ -138,6 +145,7 @@ def plan_parts(smoke: bool, report: Path) -> list[tuple[str, list[str], float, s
                   None)  # fmt: skip
     return [
         ("kernels", [python, "-m", "cluster.bench.kernel_accuracy", *small], 150, None),
+        ("mla/mamba", [python, "-m", "cluster.bench.mla_mamba_accuracy", *small], 120, None),
         ("engine", [python, "-m", "cluster.bench.engine_parity", *small], 150, None),
         ("attention", [python, "-m", "kernels.attention.bench",
                        *(["--small"] if smoke else [])], 120, None),
@@ -149,7 +157,7 @@ def plan_parts(smoke: bool, report: Path) -> list[tuple[str, list[str], float, s
 
 
 def figures_of(name: str, output: str, report: Path) -> str:
-    if name in ("kernels", "engine"):
+    if name in ("kernels", "mla/mamba", "engine"):
         return summary_line(output)
     if name == "attention":
         return attention_figures(output)

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+from cluster.bench.gpu_check import log_name
+
 BLOCK_RAY = """
 import sys
 
@@ -36,16 +38,39 @@ def test_gpu_check_smoke_runs_without_ray_and_prints_one_line_per_part(tmp_path)
     assert lines[0].startswith("kvray GPU check: ")
     summary = json.loads((output_dir / "summary.json").read_text())
     parts = {p["name"]: p for p in summary["parts"]}
-    assert list(parts) == ["kernels", "engine", "attention", "throughput", "ray tests"]
+    assert list(parts) == ["kernels", "mla/mamba", "engine", "attention", "throughput", "ray tests"]
     assert parts.pop("ray tests")["status"] == "skipped (ray not installed)"
     assert all(p["status"] == "passed" for p in parts.values()), parts
     assert "within bounds" in parts["kernels"]["figures"]
     assert "float16" in parts["kernels"]["figures"]
+    assert "within bounds" in parts["mla/mamba"]["figures"]
     assert "2/2 sequences identical" in parts["engine"]["figures"]
     assert "second engine started" in parts["engine"]["figures"]
     assert "of copy bandwidth" in parts["attention"]["figures"]
     assert "kvray" in parts["throughput"]["figures"]
     assert "transformers" in parts["throughput"]["figures"]
     for name in parts:
-        assert (output_dir / f"{name}.log").exists()
+        assert (output_dir / log_name(name)).exists()
         assert any(line.startswith(f"{name} ") for line in lines), name
+
+
+def test_mla_mamba_accuracy_names_a_kernel_that_leaves_its_output_unwritten(monkeypatch, capsys):
+    import torch
+
+    from cluster.bench import mla_mamba_accuracy
+    from kernels.mamba.triton_backend import TritonMambaBackend
+    from kernels.mla.triton_backend import TritonMLABackend
+
+    def skip_decode(self, q_latent, q_pe, kv_cache, *args, num_splits=1, out=None):
+        return out  # still the poisoned buffer
+
+    def nan_decode(self, x, *args):
+        return torch.full_like(x, float("nan"))
+
+    monkeypatch.setattr(TritonMLABackend, "decode", skip_decode)
+    monkeypatch.setattr(TritonMambaBackend, "ssd_decode", nan_decode)
+    assert mla_mamba_accuracy.main(["--smoke"]) == 1
+    summary = capsys.readouterr().out.splitlines()[-1]
+    assert "failed: float32 MLA decode in BLHNC" in summary
+    assert "float32 Mamba ssd decode" in summary
+    assert "latent write" not in summary and "conv" not in summary
