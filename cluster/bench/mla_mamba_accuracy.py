@@ -25,13 +25,13 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before the k
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import kvcore
+from cluster.bench.kernel_accuracy import DTYPES
 from kernels.attention.metadata import build_attention_metadata
 from kernels.mamba import ConvWeights, SSDParams, VarlenBatch, get_mamba_backend
 from kernels.mla import get_mla_backend
 from kernels.mla.base import as_latent_view
 from tests.kernels.cases import DEVICE, make_cache, poisoned, relative_error, strided_state
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The largest relative error each dtype may show: a few units of its rounding.
 BOUNDS = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}
 SEQ_LENS = [1, 70, 5, 33, 16, 47]  # uneven contexts: some of the 3 splits are empty
