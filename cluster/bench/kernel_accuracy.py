@@ -104,9 +104,14 @@ def main(argv: list[str] | None = None) -> int:
         failures += [f"{dtype_name} attention in {lay}" for lay, e in errors.items() if e > bound]
         failures += [f"{dtype_name} cache write in {layout}" for layout in writes]
         summary.append(f"{dtype_name} {errors[worst]:.1e}")
+    return print_summary("attention", summary, f"{len(layouts)} layouts, head {head_size}",
+                         failures)  # fmt: skip
+
+
+def print_summary(what: str, per_dtype: list[str], over: str, failures: list[str]) -> int:
+    """The part's one-line summary, printed last; returns the exit status (1: a bound missed)."""
     verdict = f"failed: {', '.join(failures)}" if failures else "within bounds"
-    print(f"summary: attention max rel. error {'; '.join(summary)} over {len(layouts)} layouts, "
-          f"head {head_size}; {verdict}")  # fmt: skip
+    print(f"summary: {what} max rel. error {'; '.join(per_dtype)} over {over}; {verdict}")
     return 1 if failures else 0
 
 

@@ -25,12 +25,19 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before the k
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import kvcore
-from cluster.bench.kernel_accuracy import DTYPES
+from cluster.bench.kernel_accuracy import DTYPES, print_summary
 from kernels.attention.metadata import build_attention_metadata
 from kernels.mamba import ConvWeights, SSDParams, VarlenBatch, get_mamba_backend
 from kernels.mla import get_mla_backend
 from kernels.mla.base import as_latent_view
-from tests.kernels.cases import DEVICE, make_cache, poisoned, relative_error, strided_state
+from tests.kernels.cases import (
+    DEVICE,
+    make_cache,
+    poisoned,
+    randn,
+    relative_error,
+    strided_state,
+)
 
 # The largest relative error each dtype may show: a few units of its rounding.
 BOUNDS = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}
@@ -60,10 +67,6 @@ FULL = Sizes(latent=512, mla_heads=16, mamba_heads=32, head_dim=64, state_size=1
              conv_dim=2304, chunk=128)  # fmt: skip
 
 
-def rand(generator: torch.Generator, *shape: int, dtype: torch.dtype, std: float = 1.0):
-    return (torch.randn(shape, generator=generator) * std).to(DEVICE, dtype)
-
-
 def mla_errors(layout: str, dtype_name: str, sizes: Sizes) -> tuple[bool, float]:
     """(the Triton write is bit-exact, max relative error of the Triton decode)."""
     block_size, dtype = 16, DTYPES[dtype_name]
@@ -73,7 +76,8 @@ def mla_errors(layout: str, dtype_name: str, sizes: Sizes) -> tuple[bool, float]
     )
     num_blocks = sum(-(-s // block_size) for s in SEQ_LENS) + 3
     ours, theirs = make_cache(layout, spec, num_blocks), make_cache(layout, spec, num_blocks)
-    ours.raw.fill_(0x7F), theirs.raw.fill_(0x7F)  # cells nobody wrote read as huge numbers
+    for cache in (ours, theirs):
+        cache.raw.fill_(0x7F)  # cells nobody wrote read as huge numbers
     generator = torch.Generator().manual_seed(len(layout) + len(dtype_name))
     block_ids = torch.randperm(num_blocks, generator=generator).tolist()
     tables = []
@@ -81,13 +85,13 @@ def mla_errors(layout: str, dtype_name: str, sizes: Sizes) -> tuple[bool, float]
         tables.append(block_ids[: -(-seq_len // block_size)])
         block_ids = block_ids[len(tables[-1]) :]
     metadata = build_attention_metadata(SEQ_LENS, SEQ_LENS, tables, block_size, DEVICE)
-    latent = rand(generator, sum(SEQ_LENS), sizes.latent, dtype=dtype)
-    rope = rand(generator, sum(SEQ_LENS), ROPE_SIZE, dtype=dtype)
+    latent = randn((sum(SEQ_LENS), sizes.latent), dtype, generator)
+    rope = randn((sum(SEQ_LENS), ROPE_SIZE), dtype, generator)
     triton, torch_backend = get_mla_backend("triton"), get_mla_backend("torch")
     triton.write_latent(latent, rope, ours.view, metadata.slot_mapping)
     torch_backend.write_latent(latent, rope, theirs.view, metadata.slot_mapping)
-    q_latent = rand(generator, len(SEQ_LENS), sizes.mla_heads, sizes.latent, dtype=dtype)
-    q_pe = rand(generator, len(SEQ_LENS), sizes.mla_heads, ROPE_SIZE, dtype=dtype)
+    q_latent = randn((len(SEQ_LENS), sizes.mla_heads, sizes.latent), dtype, generator)
+    q_pe = randn((len(SEQ_LENS), sizes.mla_heads, ROPE_SIZE), dtype, generator)
     scale = (128 + ROPE_SIZE) ** -0.5  # DeepSeek's nope + rope head
     out = poisoned(tuple(q_latent.shape), dtype)
     args = (metadata.block_table, metadata.seq_lens, block_size, scale)
@@ -118,18 +122,18 @@ def mamba_inputs(dtype: torch.dtype, sizes: Sizes, generator: torch.Generator) -
         torch.tensor(START_POSITIONS, dtype=torch.int32, device=DEVICE), chunk_size=sizes.chunk,
     )  # fmt: skip
     params = SSDParams(
-        A=-torch.exp(rand(generator, heads, dtype=torch.float32) * 0.5),
-        D=rand(generator, heads, dtype=dtype), dt_bias=rand(generator, heads, dtype=dtype) - 1.0,
+        A=-torch.exp(randn((heads,), torch.float32, generator) * 0.5),
+        D=randn((heads,), dtype, generator), dt_bias=randn((heads,), dtype, generator) - 1.0,
     )  # fmt: skip
     state_shape = (num_tokens, sizes.groups, sizes.state_size)
     return MambaInputs(
-        x=rand(generator, num_tokens, heads, sizes.head_dim, dtype=dtype),
-        dt=rand(generator, num_tokens, heads, dtype=dtype),
-        B=rand(generator, *state_shape, dtype=dtype),
-        C=rand(generator, *state_shape, dtype=dtype), params=params,
-        conv_x=rand(generator, num_tokens, sizes.conv_dim, dtype=dtype),
-        conv=ConvWeights(rand(generator, sizes.conv_dim, 4, dtype=dtype, std=0.5),
-                         rand(generator, sizes.conv_dim, dtype=dtype)),
+        x=randn((num_tokens, heads, sizes.head_dim), dtype, generator),
+        dt=randn((num_tokens, heads), dtype, generator),
+        B=randn(state_shape, dtype, generator),
+        C=randn(state_shape, dtype, generator), params=params,
+        conv_x=randn((num_tokens, sizes.conv_dim), dtype, generator),
+        conv=ConvWeights(randn((sizes.conv_dim, 4), dtype, generator) * 0.5,
+                         randn((sizes.conv_dim,), dtype, generator)),
         batch=batch,
     )  # fmt: skip
 
@@ -137,7 +141,7 @@ def mamba_inputs(dtype: torch.dtype, sizes: Sizes, generator: torch.Generator) -
 def state_pair(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator):
     """Two strided state views (as kvcore lays slots out) holding the same random states."""
     ours, theirs = strided_state(shape, dtype), strided_state(shape, dtype)
-    ours.copy_(rand(generator, *shape, dtype=dtype, std=0.5))
+    ours.copy_(randn(shape, dtype, generator) * 0.5)
     theirs.copy_(ours)
     return ours, theirs
 
@@ -203,10 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         worst, failed = check_dtype(dtype_name, layouts, sizes)
         failures += failed
         summary.append(f"{dtype_name} {worst:.1e}")
-    verdict = f"failed: {', '.join(failures)}" if failures else "within bounds"
-    print(f"summary: MLA/Mamba max rel. error {'; '.join(summary)} over {len(layouts)} layouts, "
-          f"latent {sizes.latent}; {verdict}")  # fmt: skip
-    return 1 if failures else 0
+    over = f"{len(layouts)} layouts, latent {sizes.latent}"
+    return print_summary("MLA/Mamba", summary, over, failures)
 
 
 if __name__ == "__main__":

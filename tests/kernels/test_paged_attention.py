@@ -3,7 +3,8 @@
 The matrix of the issue: every layout x {prefill only, decode only, mixed} x GQA {1, 4, 8 -> 1}
 x {no window, window 13 < context} x block size {16, 32} x {bf16, fp32}. One test call owns
 one cache (layout, block size, dtype, heads) and runs the three batches with and without the
-window, so the cartesian product runs without rebuilding caches. Outputs start as NaN.
+window; the caches themselves cover every pair of their four values (``pairwise_matrix``), not
+the whole product. Outputs start as NaN.
 """
 
 from __future__ import annotations
