@@ -26,29 +26,61 @@ from workers.model_config import ModelConfig
 from workers.model_source import model_display_name
 
 
-def plan_report(config: EngineConfig, model_config, layouts: list[str] | None = None) -> str:
+def rank_specs(
+    config: EngineConfig, model_config: ModelConfig, layers: range | None = None
+) -> dict[str, KVCacheSpec]:
+    """Rank 0's layer specs (of ``layers`` only, a pipeline stage's, when given)."""
     backend = get_attention_backend(config.attention_backend or "torch")  # same geometry
-    tp = config.tensor_parallel_size
-    specs = rank_kv_cache_specs(
+    return rank_kv_cache_specs(
         model_config,
         config.block_size,
-        tp,
+        config.tensor_parallel_size,
         0,
         backend.customize_spec,
         config.cache_dtype(model_config.dtype),
         config.state_caching(),
         model_dtype=config.model_dtype(model_config.dtype),
         num_speculative_tokens=config.num_speculative_tokens,
+        layers=layers,
     )
+
+
+def chosen_layout(config: EngineConfig, specs: Mapping[str, KVCacheSpec]) -> str:
+    backend = get_attention_backend(config.attention_backend or "torch")
     supported = [layout.name for layout in backend.supported_kv_cache_layouts()]
-    chosen = resolve_kv_cache_layout(config.kv_cache_layout, [supported] * tp, specs.values())
-    memory = config.kv_cache_memory_bytes or 0
-    options = dict(
+    tp = config.tensor_parallel_size
+    return resolve_kv_cache_layout(config.kv_cache_layout, [supported] * tp, specs.values())
+
+
+def plan_options(config: EngineConfig, model_config: ModelConfig) -> dict:
+    return dict(
         max_model_len=max_model_len_for(config, model_config),
         max_num_batched_tokens=config.max_num_batched_tokens,
         enable_prefix_caching=config.enable_prefix_caching,
         num_blocks_override=config.num_gpu_blocks_override,
     )
+
+
+def group_lines(kv: KVCacheConfig, indent: str = "  ") -> list[str]:
+    lines = []
+    for index, group in enumerate(kv.kv_cache_groups):
+        spec = group.kv_cache_spec
+        stored = getattr(spec, "dtype", None) or "/".join(getattr(spec, "dtypes", ()))
+        lines.append(
+            f"{indent}[{index}] {type(spec).__name__}: {len(group.layer_names)} layers, block "
+            f"{spec.block_size} tokens, page {spec.page_size_bytes} bytes "
+            f"(H={spec.num_heads} N={spec.num_states} C={spec.state_content_size_bytes}, "
+            f"{stored})"
+        )
+    return lines
+
+
+def plan_report(config: EngineConfig, model_config, layouts: list[str] | None = None) -> str:
+    tp = config.tensor_parallel_size
+    specs = rank_specs(config, model_config)
+    chosen = chosen_layout(config, specs)
+    memory = config.kv_cache_memory_bytes or 0
+    options = plan_options(config, model_config)
     kv = get_kv_cache_config(specs, memory, chosen, **options)
     lines = [
         f"model: {model_display_name(config.model)} ({model_config.architecture}), "
@@ -59,16 +91,8 @@ def plan_report(config: EngineConfig, model_config, layouts: list[str] | None = 
         f"fits: {kv.capacity_tokens} tokens, max concurrency {kv.max_concurrency:.2f}x at "
         f"{kv.max_model_len} tokens",
         "groups:",
+        *group_lines(kv),
     ]
-    for index, group in enumerate(kv.kv_cache_groups):
-        spec = group.kv_cache_spec
-        stored = getattr(spec, "dtype", None) or "/".join(getattr(spec, "dtypes", ()))
-        lines.append(
-            f"  [{index}] {type(spec).__name__}: {len(group.layer_names)} layers, block "
-            f"{spec.block_size} tokens, page {spec.page_size_bytes} bytes "
-            f"(H={spec.num_heads} N={spec.num_states} C={spec.state_content_size_bytes}, "
-            f"{stored})"
-        )
     lines.extend(state_caching_lines(config, kv))
     lines.extend(latent_lines(model_config, specs, kv, tp, options))
     lines.extend(expert_lines(model_config, tp, config.enable_expert_parallel))

@@ -25,12 +25,14 @@ def global_kv_cache_specs(
     *,
     model_dtype: str | None = None,
     num_speculative_tokens: int = 0,
+    layers: range | None = None,
 ) -> dict[str, KVCacheSpec]:
     """One spec per stateful layer, in layer order, with the model's total KV heads (and, for
     recurrent states, the geometry that shards into each rank's at ``tp_size``). Attention
     caches are stored in ``kv_cache_dtype``, recurrent states in ``model_dtype`` (both the
     checkpoint's when not given). With ``num_speculative_tokens`` drafts per step, a
-    recurrent layer also keeps the state after each draft."""
+    recurrent layer also keeps the state after each draft. ``layers``: a pipeline stage's
+    decoder layers, the only ones whose specs it reports (None: all)."""
     state_dtype = model_dtype or config.dtype
     context = SpecContext(
         config,
@@ -44,7 +46,7 @@ def global_kv_cache_specs(
     specs: dict[str, KVCacheSpec] = {}
     for index, layer_type in enumerate(config.layer_types):
         kind = kind_of_layer(layer_type)
-        if kind is not None:
+        if kind is not None and (layers is None or index in layers):
             specs[kind.layer_name(config, index)] = kind.layer_spec(context, index)
     return specs
 
@@ -71,9 +73,11 @@ def rank_kv_cache_specs(
     *,
     model_dtype: str | None = None,
     num_speculative_tokens: int = 0,
+    layers: range | None = None,
 ) -> dict[str, KVCacheSpec]:
-    """This rank's specs: the global ones sharded by kvcore, then passed through the attention
-    backend's ``customize_spec`` hook (its production call site)."""
+    """This rank's specs (of a pipeline stage's ``layers`` only, when given): the global ones
+    sharded by kvcore, then passed through the attention backend's ``customize_spec`` hook
+    (its production call site)."""
     global_specs = global_kv_cache_specs(
         config,
         block_size,
@@ -82,6 +86,7 @@ def rank_kv_cache_specs(
         state_caching,
         model_dtype=model_dtype,
         num_speculative_tokens=num_speculative_tokens,
+        layers=layers,
     )
     sharded = shard_layer_specs(
         global_specs,

@@ -106,11 +106,14 @@ def load_named_tensors(model: nn.Module, entries) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     tied = getattr(model.config, "tie_word_embeddings", False)
+    left_out = getattr(model, "left_out", None)
     for name, tensor in entries:
         if is_skipped(model, name):
             continue
         param_name, shard_id = parameter_target(model, name)
         param = params.get(param_name)
+        if param is None and left_out is not None and left_out(param_name):
+            continue  # another pipeline stage's
         if param is None:
             raise CheckpointError(
                 f"Unexpected tensor {name!r} in the checkpoint: the model has no parameter "

@@ -17,6 +17,7 @@ import msgspec
 from kvcore.dtypes import MODEL_DTYPES
 from workers.kinds import StateCaching
 from workers.speculative_config import SpeculativeConfig, parse_speculative_config
+from workers.stages import PipelineStage
 
 KV_CACHE_DTYPES = ("auto", *MODEL_DTYPES)
 
@@ -205,6 +206,8 @@ class WorkerOptions(RankSettings, frozen=True, kw_only=True):
     # None: GPU 0 when torch sees one, else the CPU.
     device: str | None = None
     num_threads: int | None = None  # torch threads (a Ray actor's CPUs); None: torch's default
+    # The decoder layers this rank holds; None: all of them (no pipeline parallelism).
+    pipeline_stage: PipelineStage | None = None
 
     @classmethod
     def of(cls, settings: RankSettings, **placement) -> WorkerOptions:

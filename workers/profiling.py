@@ -20,7 +20,7 @@ from kvcore import KVCacheSpec, get_kv_cache_config_from_groups, get_kv_cache_gr
 from kvcore._math import cdiv
 from workers.group_step import StepLimits
 from workers.kv_cache import allocate_kv_cache
-from workers.protocol import NewRequest, RequestDelta, StepPlan
+from workers.protocol import NewRequest, RequestDelta, StepPlan, StepResult
 from workers.runner import ModelRunner
 from workers.sampling import SamplingParams
 
@@ -76,13 +76,33 @@ def run_profile_step(
         # The serving limits, so every group's largest scratch is measured.
         runner = ModelRunner(model, backend, config, device, StepLimits(num_tokens, num_seqs))
         requests = _profile_requests(lens, blocks_per_group)
-        runner.execute(StepPlan(new_requests=requests))
-        runner.execute(StepPlan(deltas=_decode_deltas(requests, max_len)))
+        _step_alone(runner, model, StepPlan(new_requests=requests))
+        _step_alone(runner, model, StepPlan(deltas=_decode_deltas(requests, max_len)))
         return scratch.numel() * scratch.element_size()
     finally:
         for layer in layers.values():
             layer.kv_cache = None  # the real cache binds its own views later
         del scratch
+
+
+def _step_alone(runner: ModelRunner, model, plan: StepPlan) -> None:
+    """``plan`` on this rank's pipeline stage alone: zeros stand for the hidden states of the
+    stage before, and token 0 for what the last stage samples."""
+    stage = getattr(model, "stage", None)
+    if stage is None or stage.is_whole:
+        runner.execute(plan)
+        return
+    hidden = None
+    if not stage.is_first:
+        num_tokens = sum(e.num_new_tokens for e in (*plan.new_requests, *plan.deltas))
+        weight = next(model.parameters())
+        hidden = weight.new_zeros(num_tokens, model.config.hidden_size)
+    if stage.is_last:
+        runner.execute(plan, hidden)
+        return
+    runner.run_stage(plan, hidden)
+    ids = [e.request_id for e in (*plan.new_requests, *plan.deltas)]
+    runner.take_sampled(plan, StepResult(sampled=dict.fromkeys(ids, 0)))
 
 
 def _decode_deltas(requests: list[NewRequest], max_len: int) -> list[RequestDelta]:

@@ -114,7 +114,9 @@ class ModelRunner:
             builders.append(kind_of_spec(spec).builder_class()(context))
         return builders
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, hidden: torch.Tensor | None = None) -> StepResult:
+        """One step on the last (or only) pipeline stage, through sampling. ``hidden``: the
+        previous stage's output, on every stage but the first."""
         self._update_state(plan)
         drafts = {d.request_id: d.draft_token_ids for d in plan.deltas if d.draft_token_ids}
         batch = self._schedule(plan, drafts)
@@ -124,7 +126,7 @@ class ModelRunner:
         # The rows rank 0 samples, made once: their bitmasks are filled during the forward.
         rows = self._sampling_rows(request_ids, drafts) if get_tp_group().is_first_rank else []
         timer = DeviceTimer(self.device)
-        hidden, masks = self._forward(batch, rows, timer)
+        hidden, masks = self._forward(batch, rows, timer, hidden)
         logits = self._logits(hidden, row_indices, timer)
         sampled, logprobs, refused, accepted = self._sample(
             request_ids, drafts, rows, masks, logits
@@ -139,6 +141,30 @@ class ModelRunner:
             refused=refused,
             num_accepted=accepted,
         )
+
+    def run_stage(self, plan: StepPlan, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """One step on a pipeline stage before the last: the plan's tokens through this
+        stage's layers, whose hidden states ``[T, hidden]`` the next stage takes. ``hidden``:
+        the previous stage's output (none on the first)."""
+        self._update_state(plan)
+        drafts = {d.request_id: d.draft_token_ids for d in plan.deltas if d.draft_token_ids}
+        batch = self._schedule(plan, drafts)
+        if not batch.request_ids:
+            return torch.empty(0, self.model.config.hidden_size, device=self.device)
+        out, _ = self._forward(batch, [], DeviceTimer(self.device), hidden)
+        return out
+
+    def take_sampled(self, plan: StepPlan, result: StepResult) -> None:
+        """On a stage before the last, after ``plan`` ran through the last: the tokens it
+        sampled (after the drafts it accepted), which this stage's later steps read as the
+        last stage's do."""
+        drafts = {d.request_id: d.draft_token_ids for d in plan.deltas if d.draft_token_ids}
+        for request_id, token in result.sampled.items():
+            kept = result.num_accepted.get(request_id, 0)
+            self.requests[request_id].token_ids.extend([*drafts.get(request_id, ())[:kept], token])
+        if drafts:
+            for builder in self.group_steps:
+                builder.after_sampling(result.num_accepted)
 
     def _update_state(self, plan: StepPlan) -> None:
         for request_id in [*plan.preempted_ids, *plan.finished_ids]:
@@ -214,13 +240,18 @@ class ModelRunner:
         return request_ids, indices
 
     def _forward(
-        self, batch: StepBatch, rows: list[SamplingRow], timer: DeviceTimer
+        self,
+        batch: StepBatch,
+        rows: list[SamplingRow],
+        timer: DeviceTimer,
+        hidden_in: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, GrammarMasks | None]:
         """Hidden states ``[T, hidden]`` and the bitmasks of ``rows`` that are constrained,
         filled while the device runs the forward (on a CPU, simply after it). ``timer``
-        times the model call alone: metadata building counts as step overhead."""
+        times the model call alone: metadata building counts as step overhead.
+        ``hidden_in``: the previous pipeline stage's hidden states."""
         tables = [table.rows(batch.request_ids) for table in self.block_tables]
-        if self.graphs is not None and self.graphs.can_run(batch):
+        if hidden_in is None and self.graphs is not None and self.graphs.can_run(batch):
             size = self.graphs.load(batch, tables)
             timer.start()
             hidden = self.graphs.replay(size, len(batch.request_ids))
@@ -237,7 +268,7 @@ class ModelRunner:
             for builder in self.group_steps:
                 builder.before_forward()
             timer.start()
-            hidden = self.model(token_ids, positions)  # [T, hidden]
+            hidden = self.model(token_ids, positions, hidden_in)  # [T, hidden]
             timer.stop()
             # On a GPU the kernels are queued and the host is free: the masks are filled while
             # they run. Nothing waits for the device until the tokens come back.

@@ -81,7 +81,9 @@ class Worker:
             self._memory_before_load = self.memory.snapshot()
         dtype = TORCH_DTYPES[self.options.model_dtype(self.model_config.dtype)]
         with torch.device(self.device):
-            model = model_class_for(self.model_config)(self.model_config, dtype)
+            model = model_class_for(self.model_config)(
+                self.model_config, dtype, self.options.pipeline_stage
+            )
         gguf = gguf_path_for(self.options.model)
         if gguf is not None:
             self._load_gguf(model, gguf, dtype)
@@ -126,6 +128,7 @@ class Worker:
             state_caching=self.options.state_caching(),
             model_dtype=self.options.model_dtype(self.model_config.dtype),
             num_speculative_tokens=self.options.num_speculative_tokens,
+            layers=self._stage_layers(),
         )
         report = RankReport(
             rank=tp.rank,
@@ -134,6 +137,11 @@ class Worker:
             free_memory_bytes=self._free_cache_memory(specs),
         )
         return encode(report)
+
+    def _stage_layers(self) -> range | None:
+        """The decoder layers of this rank's pipeline stage (None: all)."""
+        stage = self.options.pipeline_stage
+        return None if stage is None else stage.layers
 
     def _free_cache_memory(self, specs) -> int:
         """On CPU, the explicit budget; on a GPU, its allowed share less the weights, a

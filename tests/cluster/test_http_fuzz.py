@@ -156,7 +156,7 @@ HUGE_SEED = b'{"model": "tiny-chat", "prompt": "hi", "seed": 1' + b"0" * 30 + b"
 @example(case=("/v1/chat/completions", json.dumps({**CHAT, "stop": ["\ud800"]}).encode()),
          leave_after=None)  # fmt: skip
 @settings(
-    max_examples=250,
+    max_examples=150,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

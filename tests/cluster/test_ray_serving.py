@@ -33,8 +33,9 @@ def reference_tokens():
         return greedy_tokens(server.address)
 
 
-TRANSPORTS = [(1, "compiled_graph"), (2, "compiled_graph"), (2, "actor_calls")]
-TRANSPORTS += [(1, "socket"), (2, "socket")]
+# Socket at TP 1 is the default on CPUs: every other Ray test here and in test_serving_behaviour,
+# test_cli and test_serve_replicas (a worker that dies included) runs on it.
+TRANSPORTS = [(1, "compiled_graph"), (2, "compiled_graph"), (2, "actor_calls"), (2, "socket")]
 
 
 @pytest.mark.parametrize("tp,transport", TRANSPORTS)

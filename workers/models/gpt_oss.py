@@ -56,10 +56,9 @@ class GptOssDecoderLayer(LlamaDecoderLayer):
 class GptOssModel(LlamaModel):
     layer_class = GptOssDecoderLayer
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
-        super().__init__(config, dtype)
-        eps = config.rms_norm_eps
-        self.norm = RMSNorm(config.hidden_size, eps, dtype=dtype, scale_in_float32=True)
+    @staticmethod
+    def final_norm(config: ModelConfig, dtype: torch.dtype) -> nn.Module:
+        return RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, scale_in_float32=True)
 
 
 class GptOssForCausalLM(LlamaForCausalLM):

@@ -12,17 +12,20 @@ from torch import nn
 
 from workers.kinds.attention import attention_layer_name
 from workers.layers.attention import Attention
-from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from workers.layers.embedding import VocabParallelEmbedding
 from workers.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from workers.layers.missing import OtherStageLayer
 from workers.layers.mlp import MLP
 from workers.layers.moe import SparseMoE, expert_checkpoint_target
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
 from workers.model_config import ModelConfig
 from workers.models.llama_cpu_decode import CpuDecodePath
+from workers.models.stage_parts import other_stages_parameter, stage_lm_head
+from workers.stages import PipelineStage
 
 
 class LlamaAttention(nn.Module):
@@ -115,33 +118,50 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     layer_class: ClassVar[type[nn.Module]] = LlamaDecoderLayer
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, stage: PipelineStage | None = None):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, dtype=dtype
-        )
+        self.stage = stage or PipelineStage.whole(config.num_hidden_layers)
+        self.embed_tokens = None
+        if self.stage.holds_embedding(config.tie_word_embeddings):
+            self.embed_tokens = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, dtype=dtype
+            )
         rotary_emb = self.rotary_embedding(config)
         self.layers = nn.ModuleList(
-            self.layer_class(config, i, dtype, rotary_emb) for i in range(config.num_hidden_layers)
+            self.layer_class(config, i, dtype, rotary_emb)
+            if self.stage.owns(i)
+            else OtherStageLayer(i)
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.norm = self.final_norm(config, dtype) if self.stage.is_last else None
         self._cpu_decode: CpuDecodePath | bool | None = False  # False: not looked at yet
+
+    @staticmethod
+    def final_norm(config: ModelConfig, dtype: torch.dtype) -> nn.Module:
+        return RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
     @staticmethod
     def rotary_embedding(config: ModelConfig) -> RotaryEmbedding:
         return RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
 
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The final hidden states, or on a stage before the last its layers' output.
+        ``hidden``: the previous stage's output (on every stage but the first)."""
         if self._cpu_decode is False:  # at the first step, once the weights are in place
-            self._cpu_decode = CpuDecodePath.for_model(self, LlamaDecoderLayer, LlamaAttention)
+            self._cpu_decode = None
+            if self.stage.is_whole:
+                self._cpu_decode = CpuDecodePath.for_model(self, LlamaDecoderLayer, LlamaAttention)
         if self._cpu_decode is not None:
-            hidden = self._cpu_decode.forward(token_ids, positions)
-            if hidden is not None:
-                return hidden
-        hidden = self.embed_tokens(token_ids)  # [T, hidden]
-        for layer in self.layers:
+            decoded = self._cpu_decode.forward(token_ids, positions)
+            if decoded is not None:
+                return decoded
+        if self.stage.is_first:
+            hidden = self.embed_tokens(token_ids)  # [T, hidden]
+        for layer in self.layers[self.stage.start : self.stage.end]:
             hidden = layer(positions, hidden)
-        return self.norm(hidden)
+        return self.norm(hidden) if self.stage.is_last else hidden
 
 
 class LlamaForCausalLM(nn.Module):
@@ -155,13 +175,23 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        stage: PipelineStage | None = None,
+    ):
         super().__init__()
         self.config = config
-        self.model = self.model_class(config, dtype)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype=dtype)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.model = self.model_class(config, dtype, stage)
+        self.stage = self.model.stage
+        self.lm_head = stage_lm_head(config, dtype, self.stage, self.model.embed_tokens)
+
+    def left_out(self, name: str) -> bool:
+        """Whether parameter ``name`` is another pipeline stage's (the loader skips it)."""
+        return other_stages_parameter(
+            name, self.stage, self.config, "model.embed_tokens.", "model.norm."
+        )
 
     @staticmethod
     def checkpoint_target(name: str) -> tuple[str, object] | None:
@@ -171,15 +201,17 @@ class LlamaForCausalLM(nn.Module):
             return name.replace(".block_sparse_moe.gate.", ".mlp.gate."), None
         return expert_checkpoint_target(name, "mlp")
 
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` of a flat batch of tokens."""
-        return self.model(token_ids, positions)
+    def forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` of a flat batch of tokens (``hidden``: the previous
+        pipeline stage's, on every stage but the first)."""
+        return self.model(token_ids, positions, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden).float()  # [R, vocab]
 
     def kv_cache_layers(self) -> dict[str, Attention]:
         """Every layer bound to a KV-cache view, by the name its spec carries."""
-        return {
-            layer.self_attn.attn.layer_name: layer.self_attn.attn for layer in self.model.layers
-        }
+        layers = [self.model.layers[i] for i in self.stage.layers]
+        return {layer.self_attn.attn.layer_name: layer.self_attn.attn for layer in layers}

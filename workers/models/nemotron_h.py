@@ -14,13 +14,16 @@ from torch import nn
 from workers.kinds.attention import attention_layer_name
 from workers.kinds.mamba import mamba_layer_name
 from workers.layers.attention import Attention
-from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from workers.layers.embedding import VocabParallelEmbedding
 from workers.layers.linear import QKVParallelLinear, RowParallelLinear
 from workers.layers.mamba2 import MambaMixer2
+from workers.layers.missing import OtherStageLayer
 from workers.layers.mlp import MLP
 from workers.layers.moe import SparseMoE, expert_checkpoint_target
 from workers.layers.norm import RMSNorm
 from workers.model_config import ModelConfig
+from workers.models.stage_parts import other_stages_parameter, stage_lm_head
+from workers.stages import PipelineStage
 
 
 class NemotronHAttention(nn.Module):
@@ -88,21 +91,30 @@ class NemotronHBlock(nn.Module):
 
 
 class NemotronHModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, stage: PipelineStage | None = None):
         super().__init__()
-        self.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.stage = stage or PipelineStage.whole(config.num_hidden_layers)
+        self.embeddings = None
+        if self.stage.holds_embedding(config.tie_word_embeddings):
+            self.embeddings = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, dtype=dtype
+            )
         self.layers = nn.ModuleList(
-            NemotronHBlock(config, index, dtype) for index in range(config.num_hidden_layers)
+            NemotronHBlock(config, i, dtype) if self.stage.owns(i) else OtherStageLayer(i)
+            for i in range(config.num_hidden_layers)
         )
-        self.norm_f = RMSNorm(
-            config.hidden_size, config.rms_norm_eps, dtype=dtype, scale_in_float32=True
-        )
+        self.norm_f = None
+        if self.stage.is_last:
+            self.norm_f = RMSNorm(
+                config.hidden_size, config.rms_norm_eps, dtype=dtype, scale_in_float32=True
+            )
 
-    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.embeddings(token_ids)  # [T, hidden]
-        for layer in self.layers:
+    def forward(self, token_ids: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        if self.stage.is_first:
+            hidden = self.embeddings(token_ids)  # [T, hidden]
+        for layer in self.layers[self.stage.start : self.stage.end]:
             hidden = layer(hidden)
-        return self.norm_f(hidden)
+        return self.norm_f(hidden) if self.stage.is_last else hidden
 
 
 class NemotronHForCausalLM(nn.Module):
@@ -113,13 +125,23 @@ class NemotronHForCausalLM(nn.Module):
         "v_proj": ("qkv_proj", "v"),
     }
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        stage: PipelineStage | None = None,
+    ):
         super().__init__()
         self.config = config
-        self.model = NemotronHModel(config, dtype)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype=dtype)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embeddings.weight
+        self.model = NemotronHModel(config, dtype, stage)
+        self.stage = self.model.stage
+        self.lm_head = stage_lm_head(config, dtype, self.stage, self.model.embeddings)
+
+    def left_out(self, name: str) -> bool:
+        """Whether parameter ``name`` is another pipeline stage's (the loader skips it)."""
+        return other_stages_parameter(
+            name, self.stage, self.config, "model.embeddings.", "model.norm_f."
+        )
 
     @staticmethod
     def checkpoint_name(name: str) -> str:
@@ -137,10 +159,13 @@ class NemotronHForCausalLM(nn.Module):
         """Our stacked parameter and part for an expert tensor (None: any other tensor)."""
         return expert_checkpoint_target(cls.checkpoint_name(name), "mixer")
 
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of a flat batch of tokens (positions unused: no
-        layer has a rotary embedding)."""
-        return self.model(token_ids)
+        layer has a rotary embedding; ``hidden``: the previous pipeline stage's, on every
+        stage but the first)."""
+        return self.model(token_ids, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden).float()  # [R, vocab]
@@ -148,7 +173,7 @@ class NemotronHForCausalLM(nn.Module):
     def kv_cache_layers(self) -> dict[str, nn.Module]:
         """Every layer bound to a KV-cache view, by the name its spec carries."""
         layers = {}
-        for block in self.model.layers:
+        for block in (self.model.layers[i] for i in self.stage.layers):
             if block.kind == "mamba":
                 layers[block.mixer.layer_name] = block.mixer
             elif block.kind == "full_attention":
