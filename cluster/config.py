@@ -12,6 +12,7 @@ import msgspec
 from cluster.serve.routing import POLICIES
 from cluster.transport import STEP_TRANSPORTS
 from workers.options import RankSettings, WorkerOptions, setting
+from workers.stages import PipelineStage
 
 # The --tool-call-parser names (cluster.tools.parsers holds them; the config loads nothing).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
@@ -43,6 +44,15 @@ class EngineConfig(RankSettings, frozen=True, kw_only=True):
     placement_strategy: Annotated[
         str, setting("how TP ranks spread over nodes", choices=PLACEMENT_STRATEGIES)
     ] = "PACK"
+    pipeline_parallel_size: Annotated[
+        int,
+        setting(
+            "pipeline stages: the decoder layers split into this many contiguous runs, each "
+            "held by a group of TP ranks (KVRAY_PP_LAYER_PARTITION=a,b,... names each "
+            "stage's count)",
+            aliases=("-pp",),
+        ),
+    ] = 1
     # Ray Compiled Graphs' channel readers spin on a core each (0.97 of a core, idle,
     # measured on Ray 2.60): fine beside a GPU, a core taken from torch on a CPU worker, whose
     # steps go over a TCP connection per rank instead (0.06 ms between steps at the worker,
@@ -193,6 +203,7 @@ class EngineConfig(RankSettings, frozen=True, kw_only=True):
             "placement_strategy": self.placement_strategy in PLACEMENT_STRATEGIES,
             "step_transport": self.step_transport in (None, *STEP_TRANSPORTS),
             "data_parallel_size": self.data_parallel_size >= 1,
+            "pipeline_parallel_size": self.pipeline_parallel_size >= 1,
             "routing_policy": self.routing_policy in POLICIES,
             "autoscale": self.autoscale is None or _replica_range(self.autoscale) is not None,
             "target_ongoing_requests": self.target_ongoing_requests >= 1,
@@ -206,6 +217,11 @@ class EngineConfig(RankSettings, frozen=True, kw_only=True):
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid engine settings: {', '.join(bad)} (got {self})")
+
+    @property
+    def world_size(self) -> int:
+        """Worker actors in the group: TP ranks times pipeline stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def uses_replicas(self) -> bool:
@@ -228,14 +244,19 @@ class EngineConfig(RankSettings, frozen=True, kw_only=True):
         )
 
     def worker_options(
-        self, device: str | None = None, num_threads: int | None = None
+        self,
+        device: str | None = None,
+        num_threads: int | None = None,
+        pipeline_stage: PipelineStage | None = None,
     ) -> WorkerOptions:
         """Each TP rank's options: these settings on ``device`` ("cuda" when the rank's
         placement reserved a GPU, "cpu", or None: any) with ``num_threads`` torch threads
-        (None: torch's default)."""
+        (None: torch's default), holding ``pipeline_stage``'s layers (None: all)."""
         if self.attention_backend is None:
             raise ValueError("worker_options() of settings not yet resolved by for_workers_on()")
-        return WorkerOptions.of(self, device=device, num_threads=num_threads)
+        return WorkerOptions.of(
+            self, device=device, num_threads=num_threads, pipeline_stage=pipeline_stage
+        )
 
 
 def _replica_range(text: str) -> tuple[int, int] | None:

@@ -14,11 +14,14 @@ from cluster.assembly import build_scheduler, start_serving
 from cluster.config import EngineConfig
 from cluster.placement import cpus_per_worker, reserve, start_worker_actors, worker_bundle
 from cluster.scheduler.scheduler import Scheduler
+from cluster.stage_startup import plan_stage_caches
+from cluster.stage_transport import StagedTransport
 from cluster.startup import check_expert_split, plan_kv_cache
 from cluster.transport import StepTransport, ray_transport
 from kvcore import KVCacheConfig, decode, encode
-from workers.bringup import ActorRank, bring_up
+from workers.bringup import ActorRank, bring_up, bring_up_stages
 from workers.model_source import model_config_for
+from workers.stages import stages_for
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,8 @@ class Controller:
             self.use_gpu = self.config.use_gpu
         self.config = self.config.for_workers_on(use_gpu=self.use_gpu)
         check_expert_split(self.model_config, self.config)
+        # A split that cannot be made is refused before anything is placed.
+        stages_for(self.model_config.num_hidden_layers, self.config.pipeline_parallel_size)
         transport, kv_config = await self._start_group()
         self.serving = await start_serving(
             self.config, self.model_config, kv_config, transport, rebuild=self._rebuild
@@ -64,12 +69,27 @@ class Controller:
         """Placement group, one worker actor per rank, handshake, allocated caches."""
         await self._reserve(self.use_gpu)
         self.workers = start_worker_actors(self.config, self.pg, self.use_gpu, self.cpus_per_worker)
+        if self.config.pipeline_parallel_size > 1:
+            return await self._start_stages()
         kv_config = await bring_up(
             [ActorRank(worker) for worker in self.workers],
             lambda reports: plan_kv_cache(reports, self.model_config, self.config),
         )
         self.transport = ray_transport(self.config.step_transport, self.workers)
         return self.transport, kv_config
+
+    async def _start_stages(self) -> tuple[StepTransport, KVCacheConfig]:
+        """The stages' handshake (every stage planned with the same blocks); the scheduler
+        plans with the first stage's groups, which every stage's line up with."""
+        tp = self.config.tensor_parallel_size
+        actors = [self.workers[i : i + tp] for i in range(0, len(self.workers), tp)]
+        stages = stages_for(self.model_config.num_hidden_layers, len(actors))
+        plans = await bring_up_stages(
+            [[ActorRank(worker) for worker in stage] for stage in actors],
+            lambda reports: plan_stage_caches(reports, self.model_config, self.config, stages),
+        )
+        self.transport = StagedTransport(actors)
+        return self.transport, plans[0]
 
     async def _rebuild(self) -> tuple[StepTransport, Scheduler]:
         """After a failure: a new worker group with a fresh cache, and its scheduler. Every

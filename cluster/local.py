@@ -23,8 +23,11 @@ from workers.worker import Worker
 
 class LocalServer:
     def __init__(self, config: EngineConfig):
-        if config.tensor_parallel_size != 1:
-            raise ValueError("The in-process server runs TP=1; use kvray serve for more ranks.")
+        if config.world_size != 1:
+            raise ValueError(
+                "The in-process server runs one rank (TP 1, one pipeline stage); use kvray "
+                "serve for more ranks."
+            )
         self.config = config.for_workers_on(use_gpu=torch.cuda.is_available())
         # The worker is built (weights loaded, memory profiled) on the thread it steps on.
         self._step_thread = step_thread()

@@ -1,4 +1,5 @@
-"""Where a worker group runs: one placement-group bundle per TP rank, a worker actor on each.
+"""Where a worker group runs: one placement-group bundle per rank (TP ranks times pipeline
+stages, stage by stage), a worker actor on each.
 
 A CPU worker computes with as many torch threads as its bundle holds CPUs (Ray would give a
 one-CPU actor one OpenMP thread), so a served model gets what an in-process one gets. By
@@ -16,6 +17,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import EngineConfig
 from workers.actor import remote_worker_class
+from workers.model_source import model_config_for
+from workers.stages import stages_for
 
 
 class PlacementError(RuntimeError):
@@ -29,7 +32,7 @@ def cpus_per_worker(config: EngineConfig, use_gpu: bool) -> int:
         return 1
     here = ray.get_runtime_context().get_node_id()
     node_cpus = next((n["Resources"].get("CPU", 1) for n in ray.nodes() if n["NodeID"] == here), 1)
-    return max(1, int(node_cpus) // config.tensor_parallel_size)
+    return max(1, int(node_cpus) // config.world_size)
 
 
 def worker_bundle(use_gpu: bool, num_cpus: int) -> dict[str, float]:
@@ -39,7 +42,7 @@ def worker_bundle(use_gpu: bool, num_cpus: int) -> dict[str, float]:
 def never_fits(config: EngineConfig, bundle: dict[str, float]) -> str | None:
     """Why the group can never be placed on this cluster, whatever frees up; None when it
     could (waiting then makes sense: resources may be in use, or nodes still joining)."""
-    tp = config.tensor_parallel_size
+    tp = config.world_size
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     for name, amount in bundle.items():
         total = sum(node.get(name, 0) for node in nodes)
@@ -57,7 +60,7 @@ def never_fits(config: EngineConfig, bundle: dict[str, float]) -> str | None:
 
 
 async def reserve(config: EngineConfig, bundle: dict[str, float]) -> PlacementGroup:
-    tp = config.tensor_parallel_size
+    tp = config.world_size
     reason = never_fits(config, bundle)
     if reason is not None:
         raise PlacementError(
@@ -90,12 +93,18 @@ def start_worker_actors(
     # pool), then sleep. OMP_WAIT_POLICY=PASSIVE, once set here, woke them from sleep for
     # every region: SmolLM2 decoded one stream at 12-18 tok/s through Ray instead of 24-30.
     actor_class = remote_worker_class(num_cpus=num_cpus, num_gpus=1 if use_gpu else 0)
-    options = config.worker_options(device="cuda" if use_gpu else "cpu", num_threads=num_cpus)
-    return [
-        actor_class.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=group, placement_group_bundle_index=rank
-            ),
-        ).remote(rank, options)
-        for rank in range(config.tensor_parallel_size)
-    ]
+    device = "cuda" if use_gpu else "cpu"
+    tp = config.tensor_parallel_size
+    stages = [None]
+    if config.pipeline_parallel_size > 1:
+        stages = stages_for(
+            model_config_for(config.model).num_hidden_layers, config.pipeline_parallel_size
+        )
+    actors = []
+    for index, stage in enumerate(stage for stage in stages for _ in range(tp)):
+        options = config.worker_options(device=device, num_threads=num_cpus, pipeline_stage=stage)
+        strategy = PlacementGroupSchedulingStrategy(
+            placement_group=group, placement_group_bundle_index=index
+        )
+        actors.append(actor_class.options(scheduling_strategy=strategy).remote(index % tp, options))
+    return actors

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from cluster.config import EngineConfig
-from cluster.startup import max_model_len_for
+from cluster.startup import plan_options
 from kernels.attention import get_attention_backend
 from kvcore import (
     FullAttentionSpec,
@@ -50,15 +50,6 @@ def chosen_layout(config: EngineConfig, specs: Mapping[str, KVCacheSpec]) -> str
     supported = [layout.name for layout in backend.supported_kv_cache_layouts()]
     tp = config.tensor_parallel_size
     return resolve_kv_cache_layout(config.kv_cache_layout, [supported] * tp, specs.values())
-
-
-def plan_options(config: EngineConfig, model_config: ModelConfig) -> dict:
-    return dict(
-        max_model_len=max_model_len_for(config, model_config),
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        enable_prefix_caching=config.enable_prefix_caching,
-        num_blocks_override=config.num_gpu_blocks_override,
-    )
 
 
 def group_lines(kv: KVCacheConfig, indent: str = "  ") -> list[str]:

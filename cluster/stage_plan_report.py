@@ -8,7 +8,8 @@ that fits the fewest in its memory: that stage's capacity is the engine's."""
 from __future__ import annotations
 
 from cluster.config import EngineConfig
-from cluster.plan_report import chosen_layout, group_lines, plan_options, rank_specs
+from cluster.plan_report import chosen_layout, group_lines, rank_specs
+from cluster.startup import plan_options
 from kvcore import KVCacheConfig, get_kv_cache_config
 from workers.model_config import ModelConfig
 from workers.model_source import model_display_name

@@ -10,6 +10,7 @@ from cluster.config import EngineConfig
 from kernels.attention import get_attention_backend
 from kvcore import (
     KVCacheConfig,
+    KVCacheSpec,
     RankReport,
     check_rank_reports,
     get_kv_cache_configs,
@@ -25,27 +26,52 @@ def max_model_len_for(config: EngineConfig, model_config: ModelConfig) -> int:
     return config.max_model_len or model_config.max_position_embeddings
 
 
-def plan_kv_cache(
-    reports: list[RankReport], model_config: ModelConfig, config: EngineConfig
-) -> KVCacheConfig:
-    backend = get_attention_backend(config.attention_backend)
-    tp_size = config.tensor_parallel_size
-    global_specs = global_kv_cache_specs(
+def engine_global_specs(
+    model_config: ModelConfig, config: EngineConfig, layers: range | None = None
+) -> dict[str, KVCacheSpec]:
+    """Every stateful layer's spec (of ``layers`` only, a pipeline stage's, when given) as
+    this engine's settings make it, with the model's total heads."""
+    return global_kv_cache_specs(
         model_config,
         config.block_size,
         config.cache_dtype(model_config.dtype),
-        tp_size,
+        config.tensor_parallel_size,
         config.state_caching(),
         model_dtype=config.model_dtype(model_config.dtype),
         num_speculative_tokens=config.num_speculative_tokens,
+        layers=layers,
     )
+
+
+def check_reports(
+    reports: list[RankReport],
+    model_config: ModelConfig,
+    config: EngineConfig,
+    layers: range | None = None,
+) -> None:
+    """Every rank's geometry is the one the model config and TP size give it."""
     check_rank_reports(
         reports,
-        global_specs,
-        tp_size,
-        customize_spec=backend.customize_spec,
+        engine_global_specs(model_config, config, layers),
+        config.tensor_parallel_size,
+        customize_spec=get_attention_backend(config.attention_backend).customize_spec,
         state_head_axes=state_head_axes(model_config),
     )
+
+
+def plan_options(config: EngineConfig, model_config: ModelConfig) -> dict:
+    return dict(
+        max_model_len=max_model_len_for(config, model_config),
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        enable_prefix_caching=config.enable_prefix_caching,
+        num_blocks_override=config.num_gpu_blocks_override,
+    )
+
+
+def plan_kv_cache(
+    reports: list[RankReport], model_config: ModelConfig, config: EngineConfig
+) -> KVCacheConfig:
+    check_reports(reports, model_config, config)
     ordered = sorted(reports, key=lambda r: r.rank)
     layout = resolve_kv_cache_layout(
         config.kv_cache_layout,
@@ -57,10 +83,7 @@ def plan_kv_cache(
         [r.specs for r in ordered],
         [r.free_memory_bytes for r in ordered],
         layout,
-        max_model_len=max_model_len,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        enable_prefix_caching=config.enable_prefix_caching,
-        num_blocks_override=config.num_gpu_blocks_override,
+        **plan_options(config, model_config),
     )
     plan = configs[0]
     logger.info(

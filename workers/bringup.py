@@ -17,6 +17,7 @@ from kvcore import KVCacheConfig, RankReport, decode, encode
 from workers.expert_placement import ExpertReport, check_expert_placements
 
 Plan = Callable[[list[RankReport]], KVCacheConfig]
+StagesPlan = Callable[[list[list[RankReport]]], list[KVCacheConfig]]  # reports by stage
 
 
 class Rank(Protocol):
@@ -48,16 +49,32 @@ async def bring_up(
 ) -> KVCacheConfig:
     """Every rank started and holding the cache ``plan`` makes of their reports. The TP
     group meets at ``init_method`` (None: rank 0 picks an address, when there are several)."""
+    kv_config = plan(await _loaded_and_reported(ranks, init_method))
+    await _on_all(ranks, "allocate_kv_cache", encode(kv_config))
+    return kv_config
+
+
+async def bring_up_stages(
+    stage_ranks: Sequence[Sequence[Rank]], plan: StagesPlan
+) -> list[KVCacheConfig]:
+    """``bring_up`` for pipeline stages: each stage's ranks are a TP group of their own, and
+    ``plan`` makes every stage's cache from all stages' reports at once (their block counts
+    must agree)."""
+    reports = list(await asyncio.gather(*(_loaded_and_reported(r, None) for r in stage_ranks)))
+    configs = plan(reports)
+    for ranks, kv_config in zip(stage_ranks, configs, strict=True):
+        await _on_all(ranks, "allocate_kv_cache", encode(kv_config))
+    return configs
+
+
+async def _loaded_and_reported(ranks: Sequence[Rank], init_method: str | None) -> list[RankReport]:
     if init_method is None and len(ranks) > 1:
         init_method = await ranks[0].call("rendezvous_address")
     await _on_all(ranks, "init_tp_group", init_method)
     await _on_all(ranks, "load_model")
     experts = [decode(reply, ExpertReport) for reply in await _on_all(ranks, "report_shards")]
     check_expert_placements(experts)
-    reports = [decode(reply, RankReport) for reply in await _on_all(ranks, "report_specs")]
-    kv_config = plan(reports)
-    await _on_all(ranks, "allocate_kv_cache", encode(kv_config))
-    return kv_config
+    return [decode(reply, RankReport) for reply in await _on_all(ranks, "report_specs")]
 
 
 def bring_up_in_process(worker, plan: Plan, init_method: str | None = None) -> KVCacheConfig:

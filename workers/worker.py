@@ -33,7 +33,7 @@ from workers.models.registry import model_class_for
 from workers.options import WorkerOptions
 from workers.parallel import destroy_tp_group, get_tp_group, init_tp_group
 from workers.profiling import run_profile_step
-from workers.protocol import StepPlan
+from workers.protocol import StepPlan, StepResult
 from workers.quantization import keep_quantized, keeps_quantized, plan_quantized
 from workers.runner import ModelRunner
 from workers.shard_report import shard_report
@@ -208,6 +208,28 @@ class Worker:
         if self.runner is None:
             raise RuntimeError("execute() before allocate_kv_cache()")
         return encode(self.runner.execute(decode(plan_bytes, StepPlan)))
+
+    def run_stage(self, plan_bytes: bytes, hidden: torch.Tensor | None = None):
+        """A step on a pipeline stage before the last: its layers' hidden states for the next
+        stage (``hidden``: the previous stage's), from TP rank 0; None from the others,
+        whose states are the same."""
+        if self.runner is None:
+            raise RuntimeError("run_stage() before allocate_kv_cache()")
+        if hidden is not None:
+            hidden = hidden.to(self.device)
+        out = self.runner.run_stage(decode(plan_bytes, StepPlan), hidden)
+        return out.cpu() if get_tp_group().is_first_rank else None
+
+    def execute_stage(self, plan_bytes: bytes, hidden: torch.Tensor) -> bytes:
+        """A step on the last pipeline stage, from the previous stage's hidden states."""
+        if self.runner is None:
+            raise RuntimeError("execute_stage() before allocate_kv_cache()")
+        plan = decode(plan_bytes, StepPlan)
+        return encode(self.runner.execute(plan, hidden.to(self.device)))
+
+    def take_sampled(self, plan_bytes: bytes, result_bytes: bytes) -> None:
+        """On a stage before the last: the tokens the last stage sampled in that step."""
+        self.runner.take_sampled(decode(plan_bytes, StepPlan), decode(result_bytes, StepResult))
 
     def health(self) -> dict:
         return {

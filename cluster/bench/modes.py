@@ -42,8 +42,11 @@ def engine(config: EngineConfig, args):
         return
     in_process = getattr(args, "in_process", False)
     label = "in-process" if in_process else "ray"
+    parallel = f"TP {config.tensor_parallel_size}"
+    if config.pipeline_parallel_size > 1:
+        parallel = f"PP {config.pipeline_parallel_size} x {parallel}"
     with running_engine(msgspec.structs.replace(config, port=0), in_process=in_process) as address:
-        yield address, f"kvray ({label}, TP {config.tensor_parallel_size})"
+        yield address, f"kvray ({label}, {parallel})"
 
 
 def engine_stats(address: str, api_key: str | None = None) -> dict:

@@ -13,15 +13,6 @@ def add_parser(commands, common) -> None:
     )
     add_setting_flags(plan)
     plan.add_argument(
-        "--pipeline-parallel-size",
-        "-pp",
-        type=int,
-        default=1,
-        metavar="N",
-        help="plan N pipeline stages: each stage's layers and cache, and the blocks they share "
-        "(an even split of the layers, or KVRAY_PP_LAYER_PARTITION='a,b,...')",
-    )
-    plan.add_argument(
         "--layouts",
         default="all",
         help="comma-separated layouts to show strides for (default: all six)",
@@ -33,10 +24,10 @@ def run(args) -> int:
 
     config = engine_config(args)
     model_config = model_config_for(config.model)
-    if args.pipeline_parallel_size != 1:
+    if config.pipeline_parallel_size != 1:
         from cluster.stage_plan_report import stage_plan_report
 
-        print(stage_plan_report(config, model_config, args.pipeline_parallel_size))
+        print(stage_plan_report(config, model_config, config.pipeline_parallel_size))
         return 0
     layouts = None if args.layouts == "all" else args.layouts.split(",")
     print(plan_report(config, model_config, layouts))

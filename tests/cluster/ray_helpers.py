@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import ray
 
-from cluster.client import Client
+from cluster.client import Client, UnavailableError
 from cluster.config import EngineConfig
 from cluster.controller import start_controller
 
@@ -33,3 +36,30 @@ def greedy_tokens(address: str, max_tokens: int = 16) -> list[list[int]]:
 def stop(handle) -> None:
     ray.get(handle.stop.remote())
     ray.kill(handle)
+
+
+def long_stream(address: str) -> tuple[threading.Thread, list[Exception], threading.Event]:
+    """A streaming request that would run for 240 tokens, started in a thread: (the thread,
+    the UnavailableError it ends with, if any, an event set at its first token)."""
+    errors, first_token = [], threading.Event()
+
+    def run():
+        try:
+            with Client(address, timeout=120) as client:
+                for _ in client.stream(
+                    "never finishes", max_tokens=240, temperature=0, ignore_eos=True
+                ):
+                    first_token.set()
+        except UnavailableError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, errors, first_token
+
+
+def wait_until_serving(address: str, since: float, limit: float = 120) -> None:
+    with Client(address, timeout=120) as client:
+        while client.health() != "SERVING":
+            assert time.monotonic() - since < limit, f"not serving again within {limit:.0f} s"
+            time.sleep(0.5)

@@ -1,23 +1,31 @@
 """Serving through the Ray controller on a real local Ray cluster: TP=1 and TP=2 give the
 in-process engine's greedy tokens through either step transport (a compiled graph, the
-default, or one actor call per rank), and losing a worker fails in-flight requests promptly and
-the group is rebuilt, with its graph."""
+default, or one actor call per rank), and so do two pipeline stages (of one or two TP ranks);
+losing a worker, of any stage, fails in-flight requests promptly and the group is rebuilt,
+with its graph; a split into stages that cannot be made is refused before anything is
+placed."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import ray
 
-from cluster.client import Client, UnavailableError
+from cluster.client import Client
 from cluster.config import EngineConfig
 from cluster.controller import start_controller
 from cluster.local import LocalServer
 from cluster.placement import cpus_per_worker
 from cluster.transport import STEP_TRANSPORTS
-from tests.cluster.ray_helpers import BASE, greedy_tokens, serve, stop
+from tests.cluster.ray_helpers import (
+    BASE,
+    greedy_tokens,
+    long_stream,
+    serve,
+    stop,
+    wait_until_serving,
+)
 
 
 @pytest.fixture(scope="module")
@@ -69,20 +77,7 @@ def test_a_lost_worker_fails_its_streams_and_the_group_is_rebuilt(
 ):
     handle, address = serve(tensor_parallel_size=tp, step_transport=transport)
     try:
-        errors, first_token = [], threading.Event()
-
-        def long_request():
-            try:
-                with Client(address, timeout=120) as client:
-                    for _ in client.stream(
-                        "never finishes", max_tokens=240, temperature=0, ignore_eos=True
-                    ):
-                        first_token.set()
-            except UnavailableError as exc:
-                errors.append(exc)
-
-        thread = threading.Thread(target=long_request)
-        thread.start()
+        thread, errors, first_token = long_stream(address)
         assert first_token.wait(timeout=60)
         workers = ray.get(handle.worker_handles.remote())
         killed_at = time.monotonic()
@@ -92,10 +87,7 @@ def test_a_lost_worker_fails_its_streams_and_the_group_is_rebuilt(
         assert time.monotonic() - killed_at < 15
         assert errors and "lost a worker" in str(errors[0])
 
-        with Client(address, timeout=120) as client:
-            while client.health() != "SERVING":
-                assert time.monotonic() - killed_at < 120, "not serving again within 120 s"
-                time.sleep(0.5)
+        wait_until_serving(address, since=killed_at)
         assert greedy_tokens(address) == reference_tokens  # a fresh cache, the same model
         stats = ray.get(handle.stats.remote())
         assert stats["num_rebuilds"] == 1 and stats["state"] == "serving"
@@ -150,3 +142,45 @@ def test_placement_that_cannot_fit_now_waits_then_says_what_was_asked(local_ray)
     message = str(info.value)
     assert "Could not place 2 TP rank(s) of {'CPU': 1}" in message
     assert "The cluster has" in message and "'CPU': 4.0" in message
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_two_stages_serve_the_tokens_of_one(local_ray, reference_tokens, tp):
+    handle, address = serve(pipeline_parallel_size=2, tensor_parallel_size=tp)
+    try:
+        assert ray.get(handle.stats.remote())["step_transport"] == "StagedTransport"
+        workers = ray.get(handle.worker_handles.remote())
+        assert len(workers) == 2 * tp
+        assert greedy_tokens(address) == reference_tokens
+        with Client(address) as client:
+            deltas = list(client.stream("streamed", max_tokens=8, temperature=0))
+            assert sum(len(d.token_ids) for d in deltas) == 8
+    finally:
+        stop(handle)
+
+
+def test_a_lost_stage_fails_its_streams_and_the_group_is_rebuilt(local_ray, reference_tokens):
+    handle, address = serve(pipeline_parallel_size=2)
+    try:
+        thread, errors, first_token = long_stream(address)
+        assert first_token.wait(timeout=60)
+        workers = ray.get(handle.worker_handles.remote())
+        killed_at = time.monotonic()
+        ray.kill(workers[0])  # the first stage: the last one's answers stop coming too
+        thread.join(timeout=60)
+        assert not thread.is_alive() and time.monotonic() - killed_at < 15
+        assert errors and "lost a worker" in str(errors[0])
+        wait_until_serving(address, since=killed_at)
+        assert greedy_tokens(address) == reference_tokens
+        stats = ray.get(handle.stats.remote())
+        assert stats["num_rebuilds"] == 1 and stats["num_free_blocks"] == stats["num_usable_blocks"]
+        assert not set(ray.get(handle.worker_handles.remote())) & set(workers)
+    finally:
+        stop(handle)
+
+
+def test_more_stages_than_layers_are_refused_before_placing(local_ray):
+    free = ray.available_resources().get("CPU", 0)
+    with pytest.raises(Exception, match="asks for more stages than the model has decoder layers"):
+        serve(pipeline_parallel_size=5)
+    assert ray.available_resources().get("CPU", 0) >= free  # nothing was left reserved

@@ -1,9 +1,10 @@
-"""Tensor-parallel ranks on two Ray nodes (``ray.cluster_utils.Cluster``) give the same tokens
-as one in-process rank, and the controller, which serves gRPC, stays on the node that started
-it (where the manifests' Service and readiness probe look for it)."""
+"""Tensor-parallel ranks, or pipeline stages, on two Ray nodes (``ray.cluster_utils.Cluster``)
+give the same tokens as one in-process rank, and the controller, which serves gRPC, stays on
+the node that started it (where the manifests' Service and readiness probe look for it)."""
 
 from __future__ import annotations
 
+import pytest
 import ray
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -22,10 +23,12 @@ class Occupant:
         return True
 
 
-def test_tp_ranks_on_different_nodes_and_the_server_on_the_starting_node():
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_ranks_on_different_nodes_and_the_server_on_the_starting_node(parallel):
     with LocalServer(EngineConfig(**BASE)) as server:
         expected = greedy_tokens(server.address)
-    # The head (this driver's node) is busy; the two other nodes hold one TP rank each.
+    # The head (this driver's node) is busy; the two other nodes hold one rank each (a TP
+    # rank, or a stage).
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     cluster.add_node(num_cpus=1)
     cluster.add_node(num_cpus=1)
@@ -36,7 +39,7 @@ def test_tp_ranks_on_different_nodes_and_the_server_on_the_starting_node():
         pin_here = NodeAffinitySchedulingStrategy(node_id=here, soft=False)
         occupant = Occupant.options(scheduling_strategy=pin_here).remote()
         ray.get(occupant.ready.remote())
-        handle, address = serve(tensor_parallel_size=2, placement_strategy="STRICT_SPREAD")
+        handle, address = serve(**parallel, placement_strategy="STRICT_SPREAD")
         try:
             assert ray.get(handle.node_id.remote()) == here
             nodes = ray.get(handle.worker_node_ids.remote())
