@@ -50,6 +50,14 @@ def run(args) -> int:
     return 0
 
 
+def parallelism(config) -> str:
+    """The ranks in words: TP 2, or PP 2 x TP 2 with pipeline stages."""
+    tp = f"TP {config.tensor_parallel_size}"
+    if config.pipeline_parallel_size == 1:
+        return tp
+    return f"PP {config.pipeline_parallel_size} x {tp}"
+
+
 class _Controller:
     """One engine: the controller actor hosts it and its servers."""
 
@@ -64,7 +72,7 @@ class _Controller:
         http = f", OpenAI API at http://{info['http_address']}/v1" if info["http_address"] else ""
         return (
             f"kvray: serving {model_display_name(config.model)} on {info['address']} "
-            f"(TP {config.tensor_parallel_size}){http}; KV cache: {info['num_blocks']} blocks, "
+            f"({parallelism(config)}){http}; KV cache: {info['num_blocks']} blocks, "
             f"{info['capacity_tokens']} tokens, max concurrency {info['max_concurrency']:.2f}x, "
             f"layout {info['layout']}"
         )
@@ -111,7 +119,7 @@ class _Replicas:
         http = f", OpenAI API at http://{self.http_address}/v1" if self.http_address else ""
         return (
             f"kvray: serving {model_display_name(config.model)} on {self.address} with "
-            f"{replicas} replica(s) on Ray Serve (TP {config.tensor_parallel_size} each, "
+            f"{replicas} replica(s) on Ray Serve ({parallelism(config)} each, "
             f"{config.routing_policy} routing){http}"
         )
 
