@@ -44,14 +44,11 @@ class WorkerActor(Worker):
     def execute(self, plan_bytes: bytes) -> bytes:
         return self._run(super().execute, plan_bytes)
 
-    def run_stage(self, plan_bytes: bytes, hidden=None):
-        return self._run(super().run_stage, plan_bytes, hidden)
+    def run_stage(self, plan_bytes: bytes, hidden=None, owed=None):
+        return self._run(super().run_stage, plan_bytes, hidden, owed)
 
     def execute_stage(self, plan_bytes: bytes, hidden) -> bytes:
         return self._run(super().execute_stage, plan_bytes, hidden)
-
-    def take_sampled(self, plan_bytes: bytes, result_bytes: bytes) -> None:
-        return self._run(super().take_sampled, plan_bytes, result_bytes)
 
     def health(self) -> dict:
         return self._run(super().health)

@@ -209,12 +209,21 @@ class Worker:
             raise RuntimeError("execute() before allocate_kv_cache()")
         return encode(self.runner.execute(decode(plan_bytes, StepPlan)))
 
-    def run_stage(self, plan_bytes: bytes, hidden: torch.Tensor | None = None):
+    def run_stage(
+        self,
+        plan_bytes: bytes,
+        hidden: torch.Tensor | None = None,
+        owed: tuple[bytes, bytes] | None = None,
+    ):
         """A step on a pipeline stage before the last: its layers' hidden states for the next
         stage (``hidden``: the previous stage's), from TP rank 0; None from the others,
-        whose states are the same."""
+        whose states are the same. ``owed``: the step before's plan and the last stage's
+        result of it, whose tokens this stage takes first (``take_sampled``)."""
         if self.runner is None:
             raise RuntimeError("run_stage() before allocate_kv_cache()")
+        if owed is not None:
+            plan_before, result = owed
+            self.runner.take_sampled(decode(plan_before, StepPlan), decode(result, StepResult))
         if hidden is not None:
             hidden = hidden.to(self.device)
         out = self.runner.run_stage(decode(plan_bytes, StepPlan), hidden)
@@ -226,10 +235,6 @@ class Worker:
             raise RuntimeError("execute_stage() before allocate_kv_cache()")
         plan = decode(plan_bytes, StepPlan)
         return encode(self.runner.execute(plan, hidden.to(self.device)))
-
-    def take_sampled(self, plan_bytes: bytes, result_bytes: bytes) -> None:
-        """On a stage before the last: the tokens the last stage sampled in that step."""
-        self.runner.take_sampled(decode(plan_bytes, StepPlan), decode(result_bytes, StepResult))
 
     def health(self) -> dict:
         return {
