@@ -12,7 +12,7 @@ import msgspec
 from cluster.serve.routing import POLICIES
 from cluster.transport import STEP_TRANSPORTS
 from workers.options import RankSettings, WorkerOptions, setting
-from workers.stages import PipelineStage
+from workers.stages import PipelineStage, split_layers
 
 # The --tool-call-parser names (cluster.tools.parsers holds them; the config loads nothing).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
@@ -53,6 +53,14 @@ class EngineConfig(RankSettings, frozen=True, kw_only=True):
             aliases=("-pp",),
         ),
     ] = 1
+    pp_layer_partition: Annotated[
+        str | None,
+        setting(
+            "decoder layers per pipeline stage, a,b,... (they must sum to the model's layers)",
+            env="KVRAY_PP_LAYER_PARTITION",
+            default_text="an even split",
+        ),
+    ] = None
     # Ray Compiled Graphs' channel readers spin on a core each (0.97 of a core, idle,
     # measured on Ray 2.60): fine beside a GPU, a core taken from torch on a CPU worker, whose
     # steps go over a TCP connection per rank instead (0.06 ms between steps at the worker,
@@ -217,6 +225,13 @@ class EngineConfig(RankSettings, frozen=True, kw_only=True):
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid engine settings: {', '.join(bad)} (got {self})")
+
+    def pipeline_stages(self, num_layers: int) -> list[PipelineStage] | None:
+        """The stages a model of ``num_layers`` decoder layers is split into (None: one,
+        no pipeline parallelism); a split that cannot be made is refused by name."""
+        if self.pipeline_parallel_size == 1:
+            return None
+        return split_layers(num_layers, self.pipeline_parallel_size, self.pp_layer_partition)
 
     @property
     def world_size(self) -> int:

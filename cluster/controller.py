@@ -21,7 +21,6 @@ from cluster.transport import StepTransport, ray_transport
 from kvcore import KVCacheConfig, decode, encode
 from workers.bringup import ActorRank, bring_up, bring_up_stages
 from workers.model_source import model_config_for
-from workers.stages import stages_for
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +35,7 @@ class Controller:
         self.transport: StepTransport | None = None
         self.use_gpu = False
         self.cpus_per_worker = 1
+        self.stages = None  # the pipeline stages, when there are several
         self.engine = None
         self.serving = None  # the engine and its front ends, once started
 
@@ -49,7 +49,7 @@ class Controller:
         self.config = self.config.for_workers_on(use_gpu=self.use_gpu)
         check_expert_split(self.model_config, self.config)
         # A split that cannot be made is refused before anything is placed.
-        stages_for(self.model_config.num_hidden_layers, self.config.pipeline_parallel_size)
+        self.stages = self.config.pipeline_stages(self.model_config.num_hidden_layers)
         transport, kv_config = await self._start_group()
         self.serving = await start_serving(
             self.config, self.model_config, kv_config, transport, rebuild=self._rebuild
@@ -68,9 +68,11 @@ class Controller:
     async def _start_group(self) -> tuple[StepTransport, KVCacheConfig]:
         """Placement group, one worker actor per rank, handshake, allocated caches."""
         await self._reserve(self.use_gpu)
-        self.workers = start_worker_actors(self.config, self.pg, self.use_gpu, self.cpus_per_worker)
-        if self.config.pipeline_parallel_size > 1:
-            return await self._start_stages()
+        self.workers = start_worker_actors(
+            self.config, self.pg, self.use_gpu, self.cpus_per_worker, self.stages
+        )
+        if self.stages is not None:
+            return await self._start_stages(self.stages)
         kv_config = await bring_up(
             [ActorRank(worker) for worker in self.workers],
             lambda reports: plan_kv_cache(reports, self.model_config, self.config),
@@ -78,12 +80,11 @@ class Controller:
         self.transport = ray_transport(self.config.step_transport, self.workers)
         return self.transport, kv_config
 
-    async def _start_stages(self) -> tuple[StepTransport, KVCacheConfig]:
+    async def _start_stages(self, stages: list) -> tuple[StepTransport, KVCacheConfig]:
         """The stages' handshake (every stage planned with the same blocks); the scheduler
         plans with the first stage's groups, which every stage's line up with."""
         tp = self.config.tensor_parallel_size
         actors = [self.workers[i : i + tp] for i in range(0, len(self.workers), tp)]
-        stages = stages_for(self.model_config.num_hidden_layers, len(actors))
         plans = await bring_up_stages(
             [[ActorRank(worker) for worker in stage] for stage in actors],
             lambda reports: plan_stage_caches(reports, self.model_config, self.config, stages),

@@ -11,6 +11,7 @@ ENV_DEFAULTS = {
     "KVRAY_KV_CACHE_LAYOUT": ("--kv-cache-layout", "KV cache layout or alias"),
     "KVRAY_ATTENTION_BACKEND": ("--attention-backend", "torch or triton"),
     "KVRAY_KV_CACHE_MEMORY": ("--kv-cache-memory", "KV cache bytes per rank on CPU, e.g. 1GiB"),
+    "KVRAY_PP_LAYER_PARTITION": ("--pp-layer-partition", "decoder layers per pipeline stage"),
     "KVRAY_HOST": ("--host", "address the gRPC server binds"),
     "KVRAY_PORT": ("--port", "gRPC port"),
     "KVRAY_API_KEY": ("--api-key", "require 'authorization: Bearer <key>'"),

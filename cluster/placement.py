@@ -17,8 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import EngineConfig
 from workers.actor import remote_worker_class
-from workers.model_source import model_config_for
-from workers.stages import stages_for
+from workers.stages import PipelineStage
 
 
 class PlacementError(RuntimeError):
@@ -84,10 +83,15 @@ async def reserve(config: EngineConfig, bundle: dict[str, float]) -> PlacementGr
 
 
 def start_worker_actors(
-    config: EngineConfig, group: PlacementGroup, use_gpu: bool, num_cpus: int
+    config: EngineConfig,
+    group: PlacementGroup,
+    use_gpu: bool,
+    num_cpus: int,
+    stages: list[PipelineStage] | None = None,
 ) -> list:
-    """One worker actor per bundle. A rank whose bundle reserved a GPU must run on it: its
-    device is "cuda", never a silent CPU fallback."""
+    """One worker actor per bundle, stage by stage (``stages``: None for one). A rank whose
+    bundle reserved a GPU must run on it: its device is "cuda", never a silent CPU
+    fallback."""
     # Workers keep OpenMP's own wait policy: their threads spin briefly between the ~300
     # parallel regions of a decode step (torch ops, the GGUF and attention kernels share one
     # pool), then sleep. OMP_WAIT_POLICY=PASSIVE, once set here, woke them from sleep for
@@ -95,13 +99,8 @@ def start_worker_actors(
     actor_class = remote_worker_class(num_cpus=num_cpus, num_gpus=1 if use_gpu else 0)
     device = "cuda" if use_gpu else "cpu"
     tp = config.tensor_parallel_size
-    stages = [None]
-    if config.pipeline_parallel_size > 1:
-        stages = stages_for(
-            model_config_for(config.model).num_hidden_layers, config.pipeline_parallel_size
-        )
     actors = []
-    for index, stage in enumerate(stage for stage in stages for _ in range(tp)):
+    for index, stage in enumerate(stage for stage in stages or [None] for _ in range(tp)):
         options = config.worker_options(device=device, num_threads=num_cpus, pipeline_stage=stage)
         strategy = PlacementGroupSchedulingStrategy(
             placement_group=group, placement_group_bundle_index=index

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 from cluster.config import EngineConfig
 from cluster.plan_report import chosen_layout, group_lines, rank_specs
+from cluster.stage_startup import check_stage_plans
 from cluster.startup import plan_options
 from kvcore import KVCacheConfig, get_kv_cache_config
 from workers.model_config import ModelConfig
 from workers.model_source import model_display_name
-from workers.stages import PipelineStage, stages_for
+from workers.stages import PipelineStage
 
 
-def stage_plan_report(config: EngineConfig, model_config: ModelConfig, count: int) -> str:
-    stages = stages_for(model_config.num_hidden_layers, count)
+def stage_plan_report(config: EngineConfig, model_config: ModelConfig) -> str:
+    stages = config.pipeline_stages(model_config.num_hidden_layers)
     memory = config.kv_cache_memory_bytes or 0
     options = plan_options(config, model_config)
     layout = chosen_layout(config, rank_specs(config, model_config))
@@ -25,13 +26,14 @@ def stage_plan_report(config: EngineConfig, model_config: ModelConfig, count: in
     for stage in stages:
         specs = rank_specs(config, model_config, stage.layers)
         plans.append(get_kv_cache_config(specs, memory, layout, **options) if specs else None)
+    check_stage_plans(plans, stages)
     limiting, limit = min(
-        ((stage, kv) for stage, kv in zip(stages, plans, strict=True) if kv is not None),
-        key=lambda planned: planned[1].num_blocks,
+        zip(stages, plans, strict=True), key=lambda planned: planned[1].num_blocks
     )
     lines = [
         f"model: {model_display_name(config.model)} ({model_config.architecture}), "
-        f"PP {count} x TP {config.tensor_parallel_size}, {model_config.num_hidden_layers} layers",
+        f"PP {len(stages)} x TP {config.tensor_parallel_size}, "
+        f"{model_config.num_hidden_layers} layers",
         f"layout: {limit.layout}; KV memory per rank: {memory} bytes",
         f"blocks: {limit.num_blocks}, one block table for every stage (stage {limiting.index} "
         "fits the fewest)",
@@ -40,12 +42,11 @@ def stage_plan_report(config: EngineConfig, model_config: ModelConfig, count: in
     ]
     for stage, kv in zip(stages, plans, strict=True):
         lines.append(stage_line(stage, kv))
-        if kv is not None:
-            lines.extend(group_lines(kv, indent="    "))
+        lines.extend(group_lines(kv, indent="    "))
     return "\n".join(lines)
 
 
-def stage_line(stage: PipelineStage, kv: KVCacheConfig | None) -> str:
+def stage_line(stage: PipelineStage, kv: KVCacheConfig) -> str:
     held = [
         f"layers {stage.start}-{stage.end - 1}" if len(stage.layers) > 1 else f"layer {stage.start}"
     ]
@@ -53,9 +54,5 @@ def stage_line(stage: PipelineStage, kv: KVCacheConfig | None) -> str:
         held.append("the embedding")
     if stage.is_last:
         held.append("the final norm, LM head and sampling")
-    cache = (
-        "no cache (none of its layers keeps state)"
-        if kv is None
-        else f"{kv.num_blocks} blocks x {kv.bytes_per_block} bytes"
-    )
+    cache = f"{kv.num_blocks} blocks x {kv.bytes_per_block} bytes"
     return f"stage {stage.index}: {', '.join(held)}; {cache}"

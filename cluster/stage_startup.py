@@ -16,7 +16,7 @@ from cluster.config import EngineConfig
 from cluster.startup import check_reports, plan_options
 from kvcore import KVCacheConfig, RankReport, get_kv_cache_configs, resolve_kv_cache_layout
 from workers.model_config import ModelConfig
-from workers.stages import PARTITION_ENV, PipelineStage, StagePartitionError
+from workers.stages import PARTITION, PipelineStage, StagePartitionError
 
 
 def plan_stage_caches(
@@ -41,24 +41,27 @@ def plan_stage_caches(
         memory = [r.free_memory_bytes for r in reports]
         return get_kv_cache_configs(specs, memory, layout, **(options | override))[0]
 
-    for stage, reports in zip(stages, ordered, strict=True):
-        if not reports[0].specs:
-            raise StagePartitionError(
-                f"Pipeline stage {stage.index} (layers {stage.start}-{stage.end - 1}) holds no "
-                f"layer that keeps a cache; choose a split ({PARTITION_ENV}) that gives every "
-                "stage one."
-            )
-    plans = [plan(reports) for reports in ordered]
+    plans = [plan(reports) if reports[0].specs else None for reports in ordered]
+    check_stage_plans(plans, stages)
     fewest = min(p.num_blocks for p in plans)
-    plans = [
+    return [
         p if p.num_blocks == fewest else plan(reports, num_blocks_override=fewest)
         for p, reports in zip(plans, ordered, strict=True)
     ]
-    check_groups_line_up(plans, stages)
-    return plans
 
 
-def check_groups_line_up(plans: Sequence[KVCacheConfig], stages: Sequence[PipelineStage]) -> None:
+def check_stage_plans(
+    plans: Sequence[KVCacheConfig | None], stages: Sequence[PipelineStage]
+) -> None:
+    """Every stage has a cache (None: its layers keep none), in groups that line up with
+    stage 0's; refused by name otherwise (``kvray plan -pp`` refuses what serving would)."""
+    for stage, plan in zip(stages, plans, strict=True):
+        if plan is None:
+            raise StagePartitionError(
+                f"Pipeline stage {stage.index} (layers {stage.start}-{stage.end - 1}) holds no "
+                f"layer that keeps a cache; choose a split ({PARTITION}) that gives every stage "
+                "one."
+            )
     first = [group.kv_cache_spec for group in plans[0].kv_cache_groups]
     for stage, plan in zip(stages[1:], plans[1:], strict=True):
         groups = [group.kv_cache_spec for group in plan.kv_cache_groups]
@@ -66,7 +69,7 @@ def check_groups_line_up(plans: Sequence[KVCacheConfig], stages: Sequence[Pipeli
             raise StagePartitionError(
                 f"Pipeline stage {stage.index} plans the cache groups {_names(groups)} where "
                 f"stage 0 plans {_names(first)}: the stages share one block table, so each must "
-                f"hold the same kinds of layers. Choose a split ({PARTITION_ENV}) whose stages do."
+                f"hold the same kinds of layers. Choose a split ({PARTITION}) whose stages do."
             )
 
 

@@ -7,17 +7,17 @@ from one stage to the next; every stage keeps the cache of its own layers only.
 
 An even split is the default: L // P layers each, and the L % P layers left over go one each
 to the stages before the last, nearest it first (the last already holds the head).
-``KVRAY_PP_LAYER_PARTITION="a,b,..."`` names every stage's count instead.
+A partition ("a,b,...": ``--pp-layer-partition`` or ``KVRAY_PP_LAYER_PARTITION``) names every
+stage's count instead.
 """
 
 from __future__ import annotations
 
-import os
 import re
 
 import msgspec
 
-PARTITION_ENV = "KVRAY_PP_LAYER_PARTITION"
+PARTITION = "--pp-layer-partition"  # and KVRAY_PP_LAYER_PARTITION
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -67,7 +67,7 @@ class PipelineStage(msgspec.Struct, frozen=True):
 
 def split_layers(num_layers: int, count: int, partition: str | None = None) -> list[PipelineStage]:
     """The ``count`` stages of a model with ``num_layers`` decoder layers: an even split, or
-    the per-stage counts of ``partition`` ("a,b,...", as ``KVRAY_PP_LAYER_PARTITION`` gives)."""
+    the per-stage counts of ``partition`` ("a,b,...")."""
     if count < 1:
         raise StagePartitionError(f"--pipeline-parallel-size must be at least 1, not {count}.")
     if partition is None:
@@ -79,11 +79,6 @@ def split_layers(num_layers: int, count: int, partition: str | None = None) -> l
         stages.append(PipelineStage(index, count, start, start + size, num_layers))
         start += size
     return stages
-
-
-def stages_for(num_layers: int, count: int) -> list[PipelineStage]:
-    """``split_layers`` with the partition the environment names, if any."""
-    return split_layers(num_layers, count, os.environ.get(PARTITION_ENV) or None)
 
 
 def _even_sizes(num_layers: int, count: int) -> list[int]:
@@ -102,22 +97,22 @@ def _parsed_sizes(partition: str, num_layers: int, count: int) -> list[int]:
     parts = [p.strip() for p in partition.split(",")]
     if not all(re.fullmatch(r"\d+", p) for p in parts):
         raise StagePartitionError(
-            f"{PARTITION_ENV}={partition!r} is not a comma-separated list of layer counts."
+            f"{PARTITION} {partition!r} is not a comma-separated list of layer counts."
         )
     sizes = [int(p) for p in parts]
     if len(sizes) != count:
         raise StagePartitionError(
-            f"{PARTITION_ENV}={partition!r} names {len(sizes)} stage(s), but "
+            f"{PARTITION} {partition!r} names {len(sizes)} stage(s), but "
             f"--pipeline-parallel-size is {count}."
         )
     if min(sizes) < 1:
         raise StagePartitionError(
-            f"{PARTITION_ENV}={partition!r} leaves a stage without layers: every stage needs "
+            f"{PARTITION} {partition!r} leaves a stage without layers: every stage needs "
             "at least one."
         )
     if sum(sizes) != num_layers:
         raise StagePartitionError(
-            f"{PARTITION_ENV}={partition!r} sums to {sum(sizes)} layers; the model has "
+            f"{PARTITION} {partition!r} sums to {sum(sizes)} layers; the model has "
             f"{num_layers} decoder layers."
         )
     return sizes

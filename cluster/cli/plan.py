@@ -27,7 +27,7 @@ def run(args) -> int:
     if config.pipeline_parallel_size != 1:
         from cluster.stage_plan_report import stage_plan_report
 
-        print(stage_plan_report(config, model_config, config.pipeline_parallel_size))
+        print(stage_plan_report(config, model_config))
         return 0
     layouts = None if args.layouts == "all" else args.layouts.split(",")
     print(plan_report(config, model_config, layouts))

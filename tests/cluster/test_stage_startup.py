@@ -17,7 +17,7 @@ from tests.workers.test_pipeline_stages import NUM_TOKENS, chained
 from workers.bringup import LocalRank, bring_up_stages
 from workers.model_source import model_config_for
 from workers.options import WorkerOptions
-from workers.stages import PARTITION_ENV, StagePartitionError, split_layers, stages_for
+from workers.stages import StagePartitionError, split_layers
 from workers.worker import Worker
 
 MEMORY = 1 << 20
@@ -67,10 +67,9 @@ def test_every_stage_gets_the_blocks_of_the_one_that_fits_the_fewest(tmp_path):
     assert outputs == {f"r{i}": tokens for i, tokens in enumerate(expected)}
 
 
-def test_stages_holding_different_kinds_of_layers_are_refused_by_name(tmp_path, monkeypatch):
+def test_stages_holding_different_kinds_of_layers_are_refused_by_name(tmp_path):
     model_dir = save_model("qwen3-sliding", tmp_path)  # full, sliding, full, sliding
-    monkeypatch.setenv(PARTITION_ENV, "1,3")  # stage 0: one full-attention layer only
-    stages = stages_for(4, 2)
+    stages = split_layers(4, 2, "1,3")  # stage 0: one full-attention layer only
     with pytest.raises(StagePartitionError, match="Pipeline stage 1 plans the cache groups"):
         bring_up(model_dir, stages, [MEMORY, MEMORY])
 

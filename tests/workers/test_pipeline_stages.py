@@ -30,7 +30,7 @@ from workers.model_source import model_config_for
 from workers.models.registry import model_class_for
 from workers.options import WorkerOptions
 from workers.profiling import run_profile_step
-from workers.stages import PARTITION_ENV, StagePartitionError, split_layers, stages_for
+from workers.stages import StagePartitionError, split_layers
 
 NUM_TOKENS = 12
 
@@ -54,11 +54,9 @@ def test_an_even_split_gives_the_layers_left_over_to_the_stages_before_the_last(
     assert [s.is_last for s in stages] == [False] * (count - 1) + [True]
 
 
-def test_the_partition_variable_names_every_stage(monkeypatch):
-    monkeypatch.setenv(PARTITION_ENV, "1, 3")
-    assert sizes(stages_for(4, 2)) == [1, 3]
-    monkeypatch.delenv(PARTITION_ENV)
-    assert sizes(stages_for(4, 2)) == [2, 2]
+def test_a_partition_names_every_stage():
+    assert sizes(split_layers(4, 2, "1, 3")) == [1, 3]
+    assert sizes(split_layers(4, 2)) == [2, 2]
 
 
 @pytest.mark.parametrize(
