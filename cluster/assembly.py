@@ -37,6 +37,7 @@ def build_scheduler(
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=kv_config.max_model_len,
             eos_token_ids=model_config.eos_token_ids,
+            micro_batches=config.micro_batches,
         ),
         proposer=speculative_proposer(config),
     )

@@ -61,6 +61,14 @@ class EngineConfig(RankSettings, frozen=True, kw_only=True):
             default_text="an even split",
         ),
     ] = None
+    pp_micro_batches: Annotated[
+        int | None,
+        setting(
+            "steps of disjoint requests kept in flight through the pipeline stages, so each "
+            "stage works while the others do (1: one step at a time)",
+            default_text="one per stage",
+        ),
+    ] = None
     # Ray Compiled Graphs' channel readers spin on a core each (0.97 of a core, idle,
     # measured on Ray 2.60): fine beside a GPU, a core taken from torch on a CPU worker, whose
     # steps go over a TCP connection per rank instead (0.06 ms between steps at the worker,
@@ -212,6 +220,7 @@ class EngineConfig(RankSettings, frozen=True, kw_only=True):
             "step_transport": self.step_transport in (None, *STEP_TRANSPORTS),
             "data_parallel_size": self.data_parallel_size >= 1,
             "pipeline_parallel_size": self.pipeline_parallel_size >= 1,
+            "pp_micro_batches": self.pp_micro_batches is None or self.pp_micro_batches >= 1,
             "routing_policy": self.routing_policy in POLICIES,
             "autoscale": self.autoscale is None or _replica_range(self.autoscale) is not None,
             "target_ongoing_requests": self.target_ongoing_requests >= 1,
@@ -221,6 +230,11 @@ class EngineConfig(RankSettings, frozen=True, kw_only=True):
             raise ValueError(
                 "--enable-auto-tool-choice needs --tool-call-parser "
                 f"(one of {', '.join(TOOL_CALL_PARSERS)})"
+            )
+        if self.pipeline_parallel_size > 1 and self.step_transport == "compiled_graph":
+            raise ValueError(
+                "--step-transport compiled_graph does not serve pipeline stages; use socket "
+                "(the default with --pipeline-parallel-size) or actor_calls"
             )
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -232,6 +246,14 @@ class EngineConfig(RankSettings, frozen=True, kw_only=True):
         if self.pipeline_parallel_size == 1:
             return None
         return split_layers(num_layers, self.pipeline_parallel_size, self.pp_layer_partition)
+
+    @property
+    def micro_batches(self) -> int:
+        """Steps the engine keeps in flight through the pipeline stages, each of requests the
+        others do not hold (1 at PP 1, where steps chain the same requests instead)."""
+        if self.pipeline_parallel_size == 1:
+            return 1
+        return self.pp_micro_batches or self.pipeline_parallel_size
 
     @property
     def world_size(self) -> int:
@@ -250,7 +272,9 @@ class EngineConfig(RankSettings, frozen=True, kw_only=True):
 
     def for_workers_on(self, *, use_gpu: bool) -> EngineConfig:
         """These settings with the defaults that depend on the workers' device filled in."""
-        transport = self.step_transport or ("compiled_graph" if use_gpu else "socket")
+        # Through pipeline stages, step channels: no compiled graph serves them.
+        graphs = use_gpu and self.pipeline_parallel_size == 1
+        transport = self.step_transport or ("compiled_graph" if graphs else "socket")
         return msgspec.structs.replace(
             self,
             attention_backend=self.backend_on(use_gpu),

@@ -15,9 +15,8 @@ from cluster.config import EngineConfig
 from cluster.placement import cpus_per_worker, reserve, start_worker_actors, worker_bundle
 from cluster.scheduler.scheduler import Scheduler
 from cluster.stage_startup import plan_stage_caches
-from cluster.stage_transport import StagedTransport
 from cluster.startup import check_expert_split, plan_kv_cache
-from cluster.transport import StepTransport, ray_transport
+from cluster.transport import StepTransport, ray_transport, staged_transport
 from kvcore import KVCacheConfig, decode, encode
 from workers.bringup import ActorRank, bring_up, bring_up_stages
 from workers.model_source import model_config_for
@@ -89,7 +88,7 @@ class Controller:
             [[ActorRank(worker) for worker in stage] for stage in actors],
             lambda reports: plan_stage_caches(reports, self.model_config, self.config, stages),
         )
-        self.transport = StagedTransport(actors)
+        self.transport = staged_transport(self.config.step_transport, actors)
         return self.transport, plans[0]
 
     async def _rebuild(self) -> tuple[StepTransport, Scheduler]:
@@ -130,6 +129,7 @@ class Controller:
             "num_preemptions": scheduler.num_preemptions,
             "num_steps": self.engine.num_steps,
             "num_rebuilds": self.engine.num_rebuilds,
+            "most_steps_in_flight": self.engine.most_steps_in_flight,
             "state": self.engine.state.value,
             "step_transport": type(self.transport).__name__,
         }

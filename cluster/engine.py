@@ -1,9 +1,9 @@
 """The async engine: validates requests, runs the step loop, streams outputs.
 
-One asyncio task runs the loop: schedule, send the plan through the transport, apply the
-result (the scheduler takes in the new tokens; the output stage, ``cluster.output``,
-detokenizes them and ends the requests they stop), hand each request's new tokens and text to
-its stream. Request handlers only enqueue
+One asyncio task runs the loop: schedule, send the plan through the transport (steps ahead
+as ``Scheduler.max_steps_in_flight`` allows), apply the result (the scheduler takes in the new
+tokens; the output stage, ``cluster.output``, detokenizes them and ends the requests they
+stop), hand each request's new tokens and text to its stream. Request handlers only enqueue
 and read their own stream, so a slow client never stalls the loop.
 
 Nothing in the loop fails silently. A request whose output cannot be processed fails alone
@@ -98,6 +98,7 @@ class AsyncEngine:
         self.state_reason = ""
         self.num_steps = 0
         self.num_rebuilds = 0
+        self.most_steps_in_flight = 0  # steps sent before the oldest answered, at most
         self._streams: dict[str, asyncio.Queue] = {}
         self.admission = Admission(tokenizer, vocab_size=vocab_size, max_model_len=max_model_len)
         self._wakeup = asyncio.Event()
@@ -218,8 +219,9 @@ class AsyncEngine:
     # -- the loop ---------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        # Steps sent and not yet answered, oldest first: at most two, so the workers find the
-        # next step waiting when one ends (asynchronous scheduling).
+        # Steps sent and not yet answered, oldest first: two at one stage, so the workers find
+        # the next step waiting when one ends (asynchronous scheduling); through pipeline
+        # stages one per micro-batch, so every stage has a step to run.
         sent: deque[SentStep] = deque()
         while self.state is not EngineState.DEAD:
             try:
@@ -231,8 +233,10 @@ class AsyncEngine:
                     if not self._send(sent, ahead=False):
                         await asyncio.sleep(0.001)  # blocked on memory: let frees arrive
                         continue
-                if len(sent) == 1 and self.scheduler.has_work and self.scheduler.schedules_ahead:
-                    self._send(sent, ahead=True)
+                while len(sent) < self.scheduler.max_steps_in_flight and self.scheduler.has_work:
+                    if not self._send(sent, ahead=True):
+                        break
+                self.most_steps_in_flight = max(self.most_steps_in_flight, len(sent))
                 await self._finish_step(sent.popleft())
             except WorkerLostError as exc:
                 logger.error("The engine lost its worker group: %s", exc)

@@ -73,6 +73,25 @@ class _RankChannel:
         self._lose(WorkerLostError(f"the step channel to rank {self.rank} was closed"))
 
 
+async def open_channels(actors: list, *, stage: bool = False) -> list[_RankChannel]:
+    """A step channel to each of ``actors`` (pipeline stages' frames, with ``stage``)."""
+    try:
+        addresses = await asyncio.gather(*(a.open_step_channel.remote(stage) for a in actors))
+    except Exception as exc:  # RayActorError
+        raise WorkerLostError(f"a worker actor failed: {exc}") from exc
+    channels = []
+    for rank, (host, port, token) in enumerate(addresses):
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+        except OSError as exc:
+            raise WorkerLostError(f"cannot reach rank {rank} at {host}:{port}: {exc}") from exc
+        no_delay(writer.get_extra_info("socket"))
+        writer.write(token)
+        channels.append(_RankChannel(rank, reader, writer))
+    logger.info("Step channels open to %d rank(s)", len(channels))
+    return channels
+
+
 class SocketTransport:
     """Every TP rank is a Ray actor with a step channel; all run the same plan, rank 0's
     result is the answer."""
@@ -84,22 +103,8 @@ class SocketTransport:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def _connect(self) -> list[_RankChannel]:
-        try:
-            addresses = await asyncio.gather(*(a.open_step_channel.remote() for a in self.actors))
-        except Exception as exc:  # RayActorError
-            raise WorkerLostError(f"a worker actor failed: {exc}") from exc
-        channels = []
-        for rank, (host, port, token) in enumerate(addresses):
-            try:
-                reader, writer = await asyncio.open_connection(host, port)
-            except OSError as exc:
-                raise WorkerLostError(f"cannot reach rank {rank} at {host}:{port}: {exc}") from exc
-            no_delay(writer.get_extra_info("socket"))
-            writer.write(token)
-            channels.append(_RankChannel(rank, reader, writer))
         self._loop = asyncio.get_running_loop()
-        logger.info("Step channels open to %d rank(s)", len(channels))
-        return channels
+        return await open_channels(self.actors)
 
     async def execute(self, plan: StepPlan) -> StepResult:
         if self._channels is None:

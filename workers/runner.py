@@ -157,11 +157,15 @@ class ModelRunner:
     def take_sampled(self, plan: StepPlan, result: StepResult) -> None:
         """On a stage before the last, after ``plan`` ran through the last: the tokens it
         sampled (after the drafts it accepted), which this stage's later steps read as the
-        last stage's do."""
+        last stage's do. A request a later step ended (aborted while this one ran, when
+        steps are in flight) is gone already and takes nothing."""
         drafts = {d.request_id: d.draft_token_ids for d in plan.deltas if d.draft_token_ids}
         for request_id, token in result.sampled.items():
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
             kept = result.num_accepted.get(request_id, 0)
-            self.requests[request_id].token_ids.extend([*drafts.get(request_id, ())[:kept], token])
+            request.token_ids.extend([*drafts.get(request_id, ())[:kept], token])
         if drafts:
             for builder in self.group_steps:
                 builder.after_sampling(result.num_accepted)

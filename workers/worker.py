@@ -37,6 +37,7 @@ from workers.protocol import StepPlan, StepResult
 from workers.quantization import keep_quantized, keeps_quantized, plan_quantized
 from workers.runner import ModelRunner
 from workers.shard_report import shard_report
+from workers.stage_wire import StageStep, pack_hidden, unpack_hidden
 
 logger = logging.getLogger(__name__)
 
@@ -213,16 +214,15 @@ class Worker:
         self,
         plan_bytes: bytes,
         hidden: torch.Tensor | None = None,
-        owed: tuple[bytes, bytes] | None = None,
+        owed: list[tuple[bytes, bytes]] = (),
     ):
         """A step on a pipeline stage before the last: its layers' hidden states for the next
         stage (``hidden``: the previous stage's), from TP rank 0; None from the others,
-        whose states are the same. ``owed``: the step before's plan and the last stage's
-        result of it, whose tokens this stage takes first (``take_sampled``)."""
+        whose states are the same. ``owed``: plans of earlier steps with the last stage's
+        results of them, whose tokens this stage takes first (``take_sampled``)."""
         if self.runner is None:
             raise RuntimeError("run_stage() before allocate_kv_cache()")
-        if owed is not None:
-            plan_before, result = owed
+        for plan_before, result in owed:
             self.runner.take_sampled(decode(plan_before, StepPlan), decode(result, StepResult))
         if hidden is not None:
             hidden = hidden.to(self.device)
@@ -235,6 +235,18 @@ class Worker:
             raise RuntimeError("execute_stage() before allocate_kv_cache()")
         plan = decode(plan_bytes, StepPlan)
         return encode(self.runner.execute(plan, hidden.to(self.device)))
+
+    def serve_stage(self, frame_bytes: bytes) -> bytes:
+        """A step sent over a stage's step channel (``workers.stage_wire``): the last stage
+        answers with the result; the others with their hidden states, from TP rank 0."""
+        step = decode(frame_bytes, StageStep)
+        hidden = None if step.hidden is None else unpack_hidden(step.hidden, self.device)
+        # The methods of this class, not an actor's overrides: those would queue the call
+        # for the thread this already runs on.
+        if self.options.pipeline_stage.is_last:
+            return Worker.execute_stage(self, step.plan, hidden)
+        out = Worker.run_stage(self, step.plan, hidden, step.owed)
+        return b"" if out is None else encode(pack_hidden(out))
 
     def health(self) -> dict:
         return {

@@ -28,6 +28,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     eos_token_ids: tuple[int, ...] = ()
+    # Through pipeline stages: steps in flight at once, each of requests the others do not
+    # sample for (1: one step at a time). None: one stage, where a step planned while one
+    # runs carries the same requests on.
+    micro_batches: int | None = None
 
 
 @dataclass
@@ -149,6 +153,18 @@ class Scheduler:
         return self.proposer is None
 
     @property
+    def max_steps_in_flight(self) -> int:
+        """Steps the engine may send before the oldest answers: one per micro-batch through
+        pipeline stages; else two, the second planned while the first runs; one with drafts."""
+        if not self.schedules_ahead:
+            return 1
+        return 2 if self.config.micro_batches is None else self.config.micro_batches
+
+    @property
+    def _pipelined(self) -> bool:
+        return self.max_steps_in_flight > 1 and self.config.micro_batches is not None
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._finished_ids or self._preempted_ids)
 
@@ -163,18 +179,36 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         # (request, tokens to compute, blocks added, drafts among those tokens)
         scheduled: list[tuple[EngineRequest, int, list[list[int]], list[int]]] = []
-        budget, preempted = self._schedule_running(budget, scheduled, ahead)
+        size = self._micro_batch_size()
+        budget, preempted = self._schedule_running(budget, scheduled, ahead, size)
         if not preempted:
-            self._schedule_waiting(budget, scheduled)
+            self._schedule_waiting(budget, scheduled, size)
         return self._build_plan(scheduled)
 
-    def _schedule_running(self, budget: int, scheduled, ahead: bool) -> tuple[int, bool]:
+    def _micro_batch_size(self) -> int:
+        """The most requests one step takes: through pipeline stages, its share of those that
+        can run, so each step in flight has some; else every one that fits."""
+        if not self._pipelined:
+            return self.config.max_num_seqs
+        active = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+        return max(1, -(-active // self.config.micro_batches))
+
+    def _left_for_later(self, request: EngineRequest) -> bool:
+        """Whether a step planned while others run leaves ``request`` out. At one stage, when
+        a step in flight ends it by length. Through pipeline stages, while a step in flight
+        samples for it: the first stage cannot know that token before the last has sampled
+        it (a prompt's chunks may follow each other: every stage runs steps in order)."""
+        if self._pipelined:
+            return request.num_inflight_samples > 0
+        return request.is_at_limit(self.config.max_model_len)
+
+    def _schedule_running(self, budget: int, scheduled, ahead: bool, size: int) -> tuple[int, bool]:
         preempted = False
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(scheduled) < size:
             request = self.running[index]
             num_new = min(request.num_pending_tokens, budget)
-            if num_new <= 0 or (ahead and request.is_at_limit(self.config.max_model_len)):
+            if num_new <= 0 or (ahead and self._left_for_later(request)):
                 index += 1
                 continue
             drafts = self._drafts(request, budget) if num_new == 1 else []
@@ -215,8 +249,13 @@ class Scheduler:
         )
         return self.proposer.propose(kv.token_ids, room)
 
-    def _schedule_waiting(self, budget: int, scheduled) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _schedule_waiting(self, budget: int, scheduled, size: int) -> None:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+            and len(scheduled) < size
+        ):
             request = self.waiting[0]
             hit = self.coordinator.find_longest_cache_hit(request.kv)
             num_new = min(request.kv.num_tokens - hit.num_tokens, budget)

@@ -33,6 +33,23 @@ def greedy_tokens(address: str, max_tokens: int = 16) -> list[list[int]]:
         return [client.generate(p, max_tokens=max_tokens, temperature=0).token_ids for p in PROMPTS]
 
 
+def concurrent_greedy_tokens(address: str, prompts, max_tokens: int = 16) -> list[list[int]]:
+    """Greedy tokens of ``prompts``, all sent at once, each from a thread of its own."""
+    results: dict[int, list[int]] = {}
+
+    def run(index: int) -> None:
+        with Client(address, timeout=120) as client:
+            reply = client.generate(prompts[index], max_tokens=max_tokens, temperature=0)
+            results[index] = reply.token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    return [results.get(i) for i in range(len(prompts))]
+
+
 def stop(handle) -> None:
     ray.get(handle.stop.remote())
     ray.kill(handle)

@@ -1,9 +1,9 @@
 """Serving through the Ray controller on a real local Ray cluster: TP=1 and TP=2 give the
 in-process engine's greedy tokens through either step transport (a compiled graph, the
-default, or one actor call per rank), and so do two pipeline stages (of one or two TP ranks);
-losing a worker, of any stage, fails in-flight requests promptly and the group is rebuilt,
-with its graph; a split into stages that cannot be made is refused before anything is
-placed."""
+default, or one actor call per rank), and so do two pipeline stages (of one or two TP ranks),
+with a step of each micro-batch in flight; losing a worker, of any stage, fails in-flight
+requests promptly and the group is rebuilt, with its graph; a split into stages that cannot
+be made is refused before anything is placed."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from cluster.placement import cpus_per_worker
 from cluster.transport import STEP_TRANSPORTS
 from tests.cluster.ray_helpers import (
     BASE,
+    PROMPTS,
+    concurrent_greedy_tokens,
     greedy_tokens,
     long_stream,
     serve,
@@ -114,6 +116,11 @@ def test_the_step_transport_defaults_to_a_compiled_graph_beside_gpus_only():
     assert chosen.step_transport == "compiled_graph"
     with pytest.raises(ValueError, match="step_transport"):
         EngineConfig(step_transport="shared_memory")
+    # No compiled graph serves pipeline stages: their steps go over step channels.
+    staged = EngineConfig(pipeline_parallel_size=2).for_workers_on(use_gpu=True)
+    assert staged.step_transport == "socket"
+    with pytest.raises(ValueError, match="compiled_graph does not serve pipeline stages"):
+        EngineConfig(pipeline_parallel_size=2, step_transport="compiled_graph")
 
 
 def test_placement_that_can_never_fit_fails_at_once(local_ray):
@@ -144,17 +151,25 @@ def test_placement_that_cannot_fit_now_waits_then_says_what_was_asked(local_ray)
     assert "The cluster has" in message and "'CPU': 4.0" in message
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_two_stages_serve_the_tokens_of_one(local_ray, reference_tokens, tp):
-    handle, address = serve(pipeline_parallel_size=2, tensor_parallel_size=tp)
+STAGED = {"socket": "SocketStagedTransport", "actor_calls": "StagedTransport"}
+
+
+@pytest.mark.parametrize("tp,transport", [(1, "socket"), (2, "socket"), (2, "actor_calls")])
+def test_two_stages_serve_the_tokens_of_one(local_ray, reference_tokens, tp, transport):
+    handle, address = serve(
+        pipeline_parallel_size=2, tensor_parallel_size=tp, step_transport=transport
+    )
     try:
-        assert ray.get(handle.stats.remote())["step_transport"] == "StagedTransport"
+        assert ray.get(handle.stats.remote())["step_transport"] == STAGED[transport]
         workers = ray.get(handle.worker_handles.remote())
         assert len(workers) == 2 * tp
         assert greedy_tokens(address) == reference_tokens
         with Client(address) as client:
             deltas = list(client.stream("streamed", max_tokens=8, temperature=0))
             assert sum(len(d.token_ids) for d in deltas) == 8
+        # Sent at once, the requests split into two micro-batches, one step of each in flight.
+        assert concurrent_greedy_tokens(address, PROMPTS * 2) == reference_tokens * 2
+        assert ray.get(handle.stats.remote())["most_steps_in_flight"] == 2
     finally:
         stop(handle)
 

@@ -226,3 +226,29 @@ def test_planning_ahead_never_preempts():
     assert ahead.is_empty and scheduler.num_preemptions == 0
     answer(scheduler, running, StepResult(sampled={"a": 1, "b": 2}))
     assert scheduler.schedule().plan.preempted_ids == ["b"]  # now it may preempt
+
+
+def test_through_pipeline_stages_each_step_in_flight_takes_its_share_of_requests():
+    """Two micro-batches: the requests split between the steps in flight; a step planned
+    while both run finds nothing it may take; once one answers, its requests go on."""
+    scheduler = make_scheduler(budget=64)
+    scheduler.config = SchedulerConfig(**{**scheduler.config.__dict__, "micro_batches": 2})
+    for index in range(4):
+        scheduler.add(request(f"r{index}", [1, 2, 3], index))
+    step_a = scheduler.schedule()
+    step_b = scheduler.schedule(ahead=True)
+    assert [r.request_id for r, _ in step_a.scheduled] == ["r0", "r1"]
+    assert [r.request_id for r, _ in step_b.scheduled] == ["r2", "r3"]
+    assert scheduler.schedule(ahead=True).is_empty  # every request's token is owed
+    answer(scheduler, step_a, StepResult(sampled={"r0": 70, "r1": 71}))
+    step_c = scheduler.schedule(ahead=True)  # B still runs
+    assert [(r.request_id, n) for r, n in step_c.scheduled] == [("r0", 1), ("r1", 1)]
+
+
+def test_steps_in_flight_per_engine_shape():
+    scheduler = make_scheduler()
+    assert scheduler.max_steps_in_flight == 2  # one stage: the next step planned ahead
+    for micro_batches in (1, 2, 3):
+        fields = {**scheduler.config.__dict__, "micro_batches": micro_batches}
+        scheduler.config = SchedulerConfig(**fields)
+        assert scheduler.max_steps_in_flight == micro_batches

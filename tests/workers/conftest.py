@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.workers.hf_models import save_model
+from tests.workers.stage_helpers import save_stage_checkpoint
 from tests.workers.test_gguf import ALL_QUANTIZED, MIXED, write_gguf
 
 
@@ -18,3 +19,17 @@ def quantized_files(tmp_path_factory):
         write_gguf(hf_dir, root / f"{name}.gguf", types)
         files[name] = (hf_dir, root / f"{name}.gguf")
     return files
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """name -> (model dir, layout, prefill chunk), made once per module
+    (``stage_helpers.save_stage_checkpoint``)."""
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            made[name] = save_stage_checkpoint(name, tmp_path_factory.mktemp(name))
+        return made[name]
+
+    return get

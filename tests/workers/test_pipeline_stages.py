@@ -14,21 +14,11 @@ import torch
 
 from kernels.attention import get_attention_backend
 from kernels.quant.gguf_blocks import QuantizedMatrix
-from tests.workers.engine import KV_CACHE_MEMORY, start_worker
-from tests.workers.harness import StepDriver
-from tests.workers.hf_models import (
-    PROMPTS,
-    reference_generations,
-    save_deepseek,
-    save_model,
-    save_nemotron_h,
-)
+from tests.workers.hf_models import PROMPTS, reference_generations
+from tests.workers.stage_helpers import build, chained, planned_layers, stage_workers
 from workers.kv_cache import ALLOCATION_ALIGNMENT
 from workers.kv_specs import rank_kv_cache_specs
-from workers.loader import load_weights
 from workers.model_source import model_config_for
-from workers.models.registry import model_class_for
-from workers.options import WorkerOptions
 from workers.profiling import run_profile_step
 from workers.stages import StagePartitionError, split_layers
 
@@ -75,34 +65,6 @@ def test_a_split_that_cannot_be_made_is_refused_by_name(num_layers, count, parti
         split_layers(num_layers, count, partition)
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """name -> (model dir, layout, prefill chunk): a dense Llama, one with its head tied to the
-    embedding, a NemotronH with Mamba, attention and MLP layers on both stages, and a dense
-    DeepSeek (MLA)."""
-    made = {}
-
-    def get(name: str):
-        if name not in made:
-            directory = tmp_path_factory.mktemp(name)
-            if name in ("llama", "llama-tied"):
-                made[name] = save_model(name, directory), "LHBNC", 5
-            elif name == "nemotron-h":
-                made[name] = save_nemotron_h(directory, "M*-M*-", n_groups=2), "BLHNC", 6
-            else:
-                made[name] = save_deepseek(directory, q_lora_rank=None), "BLHNC", 6
-        return made[name]
-
-    return get
-
-
-def build(model_dir, stage=None):
-    config = model_config_for(str(model_dir))
-    model = model_class_for(config)(config, torch.float32, stage)
-    load_weights(model, model_dir, show_progress=False)
-    return model
-
-
 @pytest.mark.parametrize("name", ["llama", "llama-tied", "nemotron-h", "deepseek"])
 def test_each_stage_holds_and_loads_only_its_part_of_the_model(checkpoints, name):
     model_dir, _, _ = checkpoints(name)
@@ -122,48 +84,6 @@ def test_each_stage_holds_and_loads_only_its_part_of_the_model(checkpoints, name
         assert held_layers == set(stage.layers)
     assert seen == set(expected)  # every parameter on some stage
     assert sorted(cache_layers) == sorted(whole.kv_cache_layers())  # each cache layer once
-
-
-def stage_workers(model_dir, layout: str, **extra) -> list:
-    """Both stages' workers, started as an engine starts its ranks. Mamba states are kept
-    every 8 tokens, so that a prefix hit has a state to resume from."""
-    config = model_config_for(str(model_dir))
-    options = [
-        WorkerOptions(
-            model=str(model_dir),
-            block_size=4,
-            attention_backend="torch",
-            kv_cache_memory_bytes=KV_CACHE_MEMORY,
-            enable_prefix_caching=True,
-            mamba_state_interval=8,
-            max_num_batched_tokens=256,
-            pipeline_stage=stage,
-            **extra,
-        )
-        for stage in split_layers(config.num_hidden_layers, 2)
-    ]
-    return [start_worker(o, layout) for o in options]
-
-
-def chained(first, last) -> StepDriver:
-    """A driver of both stages as one engine: each plan runs through the first stage, whose
-    hidden states the last takes; the first then learns the tokens the last sampled."""
-    plans = [first.runner.config, last.runner.config]
-    # The stages share one block table: their groups line up, and the plan fits the smaller.
-    assert [g.kv_cache_spec.block_size for g in plans[0].kv_cache_groups] == [
-        g.kv_cache_spec.block_size for g in plans[1].kv_cache_groups
-    ]
-
-    def execute(plan):
-        result = last.runner.execute(plan, first.runner.run_stage(plan))
-        first.runner.take_sampled(plan, result)
-        return result
-
-    return StepDriver(min(plans, key=lambda c: c.num_blocks), execute)
-
-
-def planned_layers(worker) -> list[str]:
-    return [name for group in worker.runner.config.kv_cache_groups for name in group.layer_names]
 
 
 @pytest.mark.parametrize("name", ["llama", "nemotron-h", "deepseek"])
