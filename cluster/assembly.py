@@ -88,7 +88,7 @@ def connect_health(engine: AsyncEngine, server: ApiServer) -> None:
 def build_server(config: EngineConfig, engine: AsyncEngine, kv_config: KVCacheConfig) -> ApiServer:
     info = static_info(
         served_model_name(config),
-        config.tensor_parallel_size,
+        (config.tensor_parallel_size, config.pipeline_parallel_size),
         config.attention_backend,
         kv_config,
         engine.vocab_size,

@@ -7,8 +7,13 @@ from kvcore import KVCacheConfig
 
 
 def static_info(
-    model: str, tp_size: int, backend: str, kv_config: KVCacheConfig, vocab_size: int
+    model: str,
+    parallel: tuple[int, int],
+    backend: str,
+    kv_config: KVCacheConfig,
+    vocab_size: int,
 ) -> dict:
+    """The plan's part of the info; ``parallel``: (TP ranks per stage, pipeline stages)."""
     groups = [
         pb.KVCacheGroup(
             layer_names=list(group.layer_names),
@@ -20,7 +25,8 @@ def static_info(
     ]
     return dict(
         model=model,
-        tensor_parallel_size=tp_size,
+        tensor_parallel_size=parallel[0],
+        pipeline_parallel_size=parallel[1],
         attention_backend=backend,
         kv_cache_layout=kv_config.layout,
         scheduler_block_size=kv_config.scheduler_block_size,

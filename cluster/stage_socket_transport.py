@@ -5,8 +5,9 @@ with ``-pp``): a TCP connection from the controller to every rank of every stage
 A step's frame (``workers.stage_wire.StageStep``) goes to every rank of the first stage when
 it is sent; the hidden states its TP rank 0 answers with go, in the next stage's frame, to
 every rank of that stage, and so on; the last stage's rank 0 answers with the result. The
-hidden states pass through the controller (one hop more than a worker-to-worker link, on a
-socket that costs ~0.1 ms on loopback where a Ray call costs ~3 ms here).
+hidden states pass through the controller: one hop more than a worker-to-worker link would
+take, but a step of two stages costs 3.2 ms of overhead here against 7.3 through Ray calls
+(``cluster.transport.staged_transport``).
 
 Every stage must run the steps in the order they were sent (a prompt's chunks may be in two
 steps at once): the first stage's frames are written in that order when the steps are sent,

@@ -158,8 +158,9 @@ def ray_transport(kind: str, actors: list) -> StepTransport:
 def staged_transport(kind: str, stages: list[list]) -> StepTransport:
     """The transport ``--step-transport`` names through pipeline ``stages`` (each a list of
     actors in TP rank order): step channels (socket), or Ray calls that hand the hidden states
-    on as Ray objects (actor_calls). Measured on this machine, two stages of one CPU each, a
-    step of one request: 7.4 ms of transport through Ray calls, ~1 ms over step channels."""
+    on as Ray objects (actor_calls). Measured on two cores, two stages of one CPU each, one
+    request of embedded:tiny: 7.3 ms of step overhead through Ray calls, 3.2 ms over step
+    channels (TPOT 11.2 and 5.4 ms)."""
     if kind == "actor_calls":
         return StagedTransport(stages)
     if kind == "socket":

@@ -32,7 +32,7 @@ def replica_set_info(config, vocab_size: int) -> pb.ServerInfo:
     plans = [decode(s["plan"], KVCacheConfig) for s in stats.values()]
     static = static_info(
         served_model_name(config),
-        config.tensor_parallel_size,
+        (config.tensor_parallel_size, config.pipeline_parallel_size),
         config.backend_on(bool(config.use_gpu)),
         plans[0],
         vocab_size,

@@ -1,12 +1,15 @@
 """Serving through the Ray controller on a real local Ray cluster: TP=1 and TP=2 give the
 in-process engine's greedy tokens through either step transport (a compiled graph, the
-default, or one actor call per rank), and so do two pipeline stages (of one or two TP ranks),
-with a step of each micro-batch in flight; losing a worker, of any stage, fails in-flight
-requests promptly and the group is rebuilt, with its graph; a split into stages that cannot
-be made is refused before anything is placed."""
+default, or one actor call per rank), and so do two pipeline stages (of one or two TP ranks,
+over step channels or Ray calls), with a step of each micro-batch in flight; at PP 2 x TP 2 a
+hybrid and an MLA model give transformers' tokens, and n-gram drafts are verified through
+the stages; losing a worker, of any stage, fails in-flight requests promptly and the group is
+rebuilt, with its graph; a split into stages that cannot be made is refused before anything
+is placed."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -28,6 +31,9 @@ from tests.cluster.ray_helpers import (
     stop,
     wait_until_serving,
 )
+from tests.workers.hf_models import PROMPTS as HF_PROMPTS
+from tests.workers.hf_models import reference_generations, save_nemotron_h
+from tests.workers.stage_helpers import save_stage_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +173,8 @@ def test_two_stages_serve_the_tokens_of_one(local_ray, reference_tokens, tp, tra
         with Client(address) as client:
             deltas = list(client.stream("streamed", max_tokens=8, temperature=0))
             assert sum(len(d.token_ids) for d in deltas) == 8
+            info = client.info()
+            assert (info["tensor_parallel_size"], info["pipeline_parallel_size"]) == (tp, 2)
         # Sent at once, the requests split into two micro-batches, one step of each in flight.
         assert concurrent_greedy_tokens(address, PROMPTS * 2) == reference_tokens * 2
         assert ray.get(handle.stats.remote())["most_steps_in_flight"] == 2
@@ -199,3 +207,44 @@ def test_more_stages_than_layers_are_refused_before_placing(local_ray):
     with pytest.raises(Exception, match="asks for more stages than the model has decoder layers"):
         serve(pipeline_parallel_size=5)
     assert ray.available_resources().get("CPU", 0) >= free  # nothing was left reserved
+
+
+@pytest.mark.parametrize("name", ["nemotron-h", "deepseek"])
+def test_two_stages_of_two_ranks_give_transformers_tokens_for_hybrid_and_mla(
+    local_ray, tmp_path, name
+):
+    """A NemotronH (Mamba and attention on both stages) and a DeepSeek (MLA) at PP 2 x TP 2
+    in BLHNC, the prompts sent at once and chunked (16 tokens a step)."""
+    model_dir, _, _ = save_stage_checkpoint(name, tmp_path)
+    handle, address = serve(
+        model=str(model_dir), pipeline_parallel_size=2, tensor_parallel_size=2,
+        kv_cache_layout="BLHNC", max_num_batched_tokens=16,
+    )  # fmt: skip
+    try:
+        expected = reference_generations(model_dir, HF_PROMPTS, 8)
+        assert concurrent_greedy_tokens(address, HF_PROMPTS, max_tokens=8) == expected
+    finally:
+        stop(handle)
+
+
+def test_two_stages_verify_ngram_drafts_one_step_at_a_time(local_ray, tmp_path):
+    """Speculative decoding through stages: a hybrid whose rejected drafts are undone on both
+    stages (the first learns what was kept with the next step) gives transformers' tokens;
+    a verifying step's tokens are unknown until it returns, so steps go one at a time."""
+    model_dir = save_nemotron_h(tmp_path, "M*-M*-", n_groups=2, initializer_range=0.1)
+    prompts = [prompt + prompt for prompt in HF_PROMPTS]  # drafts from the start
+    speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    handle, address = serve(
+        model=str(model_dir), pipeline_parallel_size=2, block_size=4, mamba_state_interval=8,
+        speculative_config=json.dumps({**speculative, "prompt_lookup_min": 1}),
+    )  # fmt: skip
+    try:
+        expected = reference_generations(model_dir, prompts, 24)
+        assert concurrent_greedy_tokens(address, prompts, max_tokens=24) == expected
+        with Client(address) as client:
+            info = client.info()
+        accepted = info["spec_decode_num_accepted_tokens"]
+        assert 0 < accepted < info["spec_decode_num_draft_tokens"]  # some kept, some undone
+        assert ray.get(handle.stats.remote())["most_steps_in_flight"] == 1
+    finally:
+        stop(handle)

@@ -189,6 +189,7 @@ def test_server_info_and_health(kind, client):
     info = client.info()
     assert info["model"] == "embedded:tiny"
     assert info["tensor_parallel_size"] == KINDS[client_kind][1]
+    assert info["pipeline_parallel_size"] == 1
     assert info["scheduler_block_size"] == 16
     assert info["groups"][0]["spec_type"] == "FullAttentionSpec"
     assert len(info["groups"][0]["layer_names"]) == 4

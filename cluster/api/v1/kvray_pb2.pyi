@@ -161,7 +161,7 @@ class KVCacheGroup(_message.Message):
     def __init__(self, layer_names: _Optional[_Iterable[str]] = ..., spec_type: _Optional[str] = ..., block_size: _Optional[int] = ..., page_size_bytes: _Optional[int] = ..., prefix_cache_group_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model", "tensor_parallel_size", "kv_cache_layout", "scheduler_block_size", "hash_block_size", "groups", "num_blocks", "num_free_blocks", "capacity_tokens", "max_model_len", "max_concurrency", "attention_backend", "num_running_requests", "num_waiting_requests", "kv_memory_waste", "step_overhead_median_ms", "step_overhead_p99_ms", "num_steps", "vocab_size", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "data_parallel_size", "replicas", "routing_policy", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+    __slots__ = ("model", "tensor_parallel_size", "kv_cache_layout", "scheduler_block_size", "hash_block_size", "groups", "num_blocks", "num_free_blocks", "capacity_tokens", "max_model_len", "max_concurrency", "attention_backend", "num_running_requests", "num_waiting_requests", "kv_memory_waste", "step_overhead_median_ms", "step_overhead_p99_ms", "num_steps", "vocab_size", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "data_parallel_size", "replicas", "routing_policy", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "pipeline_parallel_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +189,7 @@ class ServerInfo(_message.Message):
     SPEC_DECODE_NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     tensor_parallel_size: int
     kv_cache_layout: str
@@ -216,7 +217,8 @@ class ServerInfo(_message.Message):
     spec_decode_num_drafts: int
     spec_decode_num_draft_tokens: int
     spec_decode_num_accepted_tokens: int
-    def __init__(self, model: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., kv_cache_layout: _Optional[str] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_concurrency: _Optional[float] = ..., attention_backend: _Optional[str] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_memory_waste: _Optional[float] = ..., step_overhead_median_ms: _Optional[float] = ..., step_overhead_p99_ms: _Optional[float] = ..., num_steps: _Optional[int] = ..., vocab_size: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., data_parallel_size: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., routing_policy: _Optional[str] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ...) -> None: ...
+    pipeline_parallel_size: int
+    def __init__(self, model: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., kv_cache_layout: _Optional[str] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_concurrency: _Optional[float] = ..., attention_backend: _Optional[str] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_memory_waste: _Optional[float] = ..., step_overhead_median_ms: _Optional[float] = ..., step_overhead_p99_ms: _Optional[float] = ..., num_steps: _Optional[int] = ..., vocab_size: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., data_parallel_size: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., routing_policy: _Optional[str] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
     __slots__ = ("replica_id", "num_free_blocks", "num_running_requests", "num_waiting_requests", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "num_requests_finished", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
