@@ -157,10 +157,10 @@ def ray_transport(kind: str, actors: list) -> StepTransport:
 
 def staged_transport(kind: str, stages: list[list]) -> StepTransport:
     """The transport ``--step-transport`` names through pipeline ``stages`` (each a list of
-    actors in TP rank order): step channels (socket), or Ray calls that hand the hidden states
-    on as Ray objects (actor_calls). Measured on two cores, two stages of one CPU each, one
-    request of embedded:tiny: 7.3 ms of step overhead through Ray calls, 3.2 ms over step
-    channels (TPOT 11.2 and 5.4 ms)."""
+    actors in TP rank order): step channels, the hidden states sent stage to stage through
+    torch.distributed (socket), or Ray calls that hand them on as Ray objects (actor_calls).
+    Measured on two cores, two stages of one CPU each, one request of embedded:tiny: TPOT
+    5.5 ms over step channels, 9.2 ms through Ray calls."""
     if kind == "actor_calls":
         return StagedTransport(stages)
     if kind == "socket":

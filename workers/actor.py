@@ -29,6 +29,9 @@ class WorkerActor(Worker):
     def init_tp_group(self, init_method: str | None) -> int:
         return self._run(super().init_tp_group, init_method)
 
+    def init_stage_groups(self, init_method: str) -> int:
+        return self._run(super().init_stage_groups, init_method)
+
     def load_model(self) -> None:
         return self._run(super().load_model)
 

@@ -49,7 +49,7 @@ async def bring_up(
 ) -> KVCacheConfig:
     """Every rank started and holding the cache ``plan`` makes of their reports. The TP
     group meets at ``init_method`` (None: rank 0 picks an address, when there are several)."""
-    kv_config = plan(await _loaded_and_reported(ranks, init_method))
+    kv_config = plan(await _joined_loaded_and_reported(ranks, init_method))
     await _on_all(ranks, "allocate_kv_cache", encode(kv_config))
     return kv_config
 
@@ -57,20 +57,31 @@ async def bring_up(
 async def bring_up_stages(
     stage_ranks: Sequence[Sequence[Rank]], plan: StagesPlan
 ) -> list[KVCacheConfig]:
-    """``bring_up`` for pipeline stages: each stage's ranks are a TP group of their own, and
-    ``plan`` makes every stage's cache from all stages' reports at once (their block counts
-    must agree)."""
-    reports = list(await asyncio.gather(*(_loaded_and_reported(r, None) for r in stage_ranks)))
+    """``bring_up`` for pipeline stages: every rank of every stage joins one group, each
+    stage's ranks a TP subgroup of it (``workers.parallel.init_stage_groups``), and ``plan``
+    makes every stage's cache from all stages' reports at once (their block counts must
+    agree)."""
+    init_method = await stage_ranks[0][0].call("rendezvous_address")
+    await _on_all(
+        [rank for ranks in stage_ranks for rank in ranks], "init_stage_groups", init_method
+    )
+    reports = list(await asyncio.gather(*(_loaded_and_reported(r) for r in stage_ranks)))
     configs = plan(reports)
     for ranks, kv_config in zip(stage_ranks, configs, strict=True):
         await _on_all(ranks, "allocate_kv_cache", encode(kv_config))
     return configs
 
 
-async def _loaded_and_reported(ranks: Sequence[Rank], init_method: str | None) -> list[RankReport]:
+async def _joined_loaded_and_reported(
+    ranks: Sequence[Rank], init_method: str | None
+) -> list[RankReport]:
     if init_method is None and len(ranks) > 1:
         init_method = await ranks[0].call("rendezvous_address")
     await _on_all(ranks, "init_tp_group", init_method)
+    return await _loaded_and_reported(ranks)
+
+
+async def _loaded_and_reported(ranks: Sequence[Rank]) -> list[RankReport]:
     await _on_all(ranks, "load_model")
     experts = [decode(reply, ExpertReport) for reply in await _on_all(ranks, "report_shards")]
     check_expert_placements(experts)

@@ -1,8 +1,15 @@
-"""The tensor-parallel group of one worker process.
+"""The tensor-parallel group of one worker process, and its links to the pipeline stages
+next to it.
 
 Collectives go through torch.distributed: NCCL on CUDA, gloo on CPU. The rendezvous address
 and port are chosen at run time by rank 0's host (``pick_rendezvous``), never hard-coded, so
 two engines on one host cannot collide. A process that never joins a group acts as TP=1.
+
+Without pipeline stages the TP group is torch's default group. With them every rank of every
+stage joins one default group (``init_stage_groups``), each stage's ranks make a subgroup for
+their collectives, and a stage's hidden states go point to point from its TP rank 0 to every
+rank of the next stage (``send_to_next_stage``, ``recv_from_previous_stage``), so they never
+pass through the controller.
 """
 
 from __future__ import annotations
@@ -20,13 +27,25 @@ class TPGroup:
     world_size: int = 1
     # MoE layers: each rank holds whole experts (True) or a slice of every expert (False).
     expert_parallel: bool = False
+    # The stage's subgroup (None: the default group, which is the TP group without stages)
+    # and the global rank of its TP rank 0, which broadcasts.
+    group: object = None
+    first_global_rank: int = 0
 
     @property
     def is_first_rank(self) -> bool:
         return self.rank == 0
 
 
+@dataclass(frozen=True)
+class StageLinks:
+    previous: int | None = None  # the global rank of the previous stage's TP rank 0
+    following: tuple[int, ...] = ()  # the global ranks of the next stage
+
+
 _group = TPGroup()
+_links = StageLinks()
+_sends: list = []  # (work, tensor) of the hidden states sent last, kept until received
 
 
 def get_tp_group() -> TPGroup:
@@ -63,17 +82,71 @@ def init_tp_group(
     return _group
 
 
+def init_stage_groups(
+    tp_rank: int,
+    tp_size: int,
+    stage: int,
+    num_stages: int,
+    init_method: str,
+    *,
+    backend: str,
+    expert_parallel: bool = False,
+) -> TPGroup:
+    """Join every stage's ranks in one default group (global rank: stage x TP + TP rank),
+    with a subgroup per stage for its collectives (every rank makes every subgroup, in the
+    same order, as torch asks), and learn the ranks of the stages either side."""
+    global _group, _links
+    dist.init_process_group(
+        backend, init_method=init_method, rank=stage * tp_size + tp_rank,
+        world_size=tp_size * num_stages,
+    )  # fmt: skip
+    groups = [
+        dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) if tp_size > 1 else None
+        for s in range(num_stages)
+    ]
+    _group = TPGroup(
+        rank=tp_rank, world_size=tp_size, expert_parallel=expert_parallel,
+        group=groups[stage], first_global_rank=stage * tp_size,
+    )  # fmt: skip
+    following = range((stage + 1) * tp_size, (stage + 2) * tp_size)
+    _links = StageLinks(
+        previous=(stage - 1) * tp_size if stage > 0 else None,
+        following=tuple(following) if stage + 1 < num_stages else (),
+    )
+    return _group
+
+
 def destroy_tp_group() -> None:
-    global _group
+    global _group, _links
     if dist.is_initialized():
         dist.destroy_process_group()
-    _group = TPGroup()
+    _group, _links = TPGroup(), StageLinks()
+    _sends.clear()
+
+
+def send_to_next_stage(hidden: torch.Tensor) -> None:
+    """Send ``hidden`` to every rank of the next stage without waiting for them to take it
+    (they may still run the step before); the sends before are waited for first."""
+    for work, _ in _sends:
+        work.wait()
+    _sends.clear()
+    hidden = hidden.contiguous()
+    _sends.extend((dist.isend(hidden, dst), hidden) for dst in _links.following)
+
+
+def recv_from_previous_stage(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The hidden states the previous stage's TP rank 0 sends for this step."""
+    if _links.previous is None:
+        raise RuntimeError("the first pipeline stage has no stage before it")
+    hidden = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(hidden, src=_links.previous)
+    return hidden
 
 
 def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     """Sum over the TP group, in place (a no-op at TP=1)."""
     if _group.world_size > 1:
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=_group.group)
     return tensor
 
 
@@ -82,12 +155,12 @@ def all_gather_last_dim(tensor: torch.Tensor) -> torch.Tensor:
     if _group.world_size == 1:
         return tensor
     parts = [torch.empty_like(tensor) for _ in range(_group.world_size)]
-    dist.all_gather(parts, tensor.contiguous())
+    dist.all_gather(parts, tensor.contiguous(), group=_group.group)
     return torch.cat(parts, dim=-1)
 
 
 def broadcast_from_first(tensor: torch.Tensor) -> torch.Tensor:
     """Rank 0's ``tensor`` on every rank (sampled tokens, say)."""
     if _group.world_size > 1:
-        dist.broadcast(tensor, src=0)
+        dist.broadcast(tensor, src=_group.first_global_rank, group=_group.group)
     return tensor

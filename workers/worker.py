@@ -31,13 +31,20 @@ from workers.model_config import ModelConfig
 from workers.model_source import gguf_path_for, is_embedded, load_tokenizer_for, model_config_for
 from workers.models.registry import model_class_for
 from workers.options import WorkerOptions
-from workers.parallel import destroy_tp_group, get_tp_group, init_tp_group
+from workers.parallel import (
+    destroy_tp_group,
+    get_tp_group,
+    init_stage_groups,
+    init_tp_group,
+    recv_from_previous_stage,
+    send_to_next_stage,
+)
 from workers.profiling import run_profile_step
 from workers.protocol import StepPlan, StepResult
 from workers.quantization import keep_quantized, keeps_quantized, plan_quantized
 from workers.runner import ModelRunner
 from workers.shard_report import shard_report
-from workers.stage_wire import StageStep, pack_hidden, unpack_hidden
+from workers.stage_wire import StageStep
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +81,23 @@ class Worker:
         )
         return self.rank
 
+    def init_stage_groups(self, init_method: str) -> int:
+        """Join the group of every stage's ranks (``workers.parallel.init_stage_groups``):
+        this stage's collectives in a subgroup, its hidden states sent point to point."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        stage = self.options.pipeline_stage
+        init_stage_groups(
+            self.rank,
+            self.options.tensor_parallel_size,
+            stage.index,
+            stage.count,
+            init_method,
+            backend=distributed_backend(self.device),
+            **self.options.group_layout(),
+        )
+        return self.rank
+
     def load_model(self) -> None:
         started = time.perf_counter()
         if self.memory is not None:
@@ -81,6 +105,7 @@ class Worker:
             self.memory.reset_peak()
             self._memory_before_load = self.memory.snapshot()
         dtype = TORCH_DTYPES[self.options.model_dtype(self.model_config.dtype)]
+        self._dtype = dtype  # the hidden states' too
         with torch.device(self.device):
             model = model_class_for(self.model_config)(
                 self.model_config, dtype, self.options.pipeline_stage
@@ -220,14 +245,17 @@ class Worker:
         stage (``hidden``: the previous stage's), from TP rank 0; None from the others,
         whose states are the same. ``owed``: plans of earlier steps with the last stage's
         results of them, whose tokens this stage takes first (``take_sampled``)."""
+        out = self._stage_forward(decode(plan_bytes, StepPlan), hidden, owed)
+        return out.cpu() if get_tp_group().is_first_rank else None
+
+    def _stage_forward(self, plan: StepPlan, hidden: torch.Tensor | None, owed) -> torch.Tensor:
         if self.runner is None:
             raise RuntimeError("run_stage() before allocate_kv_cache()")
         for plan_before, result in owed:
             self.runner.take_sampled(decode(plan_before, StepPlan), decode(result, StepResult))
         if hidden is not None:
             hidden = hidden.to(self.device)
-        out = self.runner.run_stage(decode(plan_bytes, StepPlan), hidden)
-        return out.cpu() if get_tp_group().is_first_rank else None
+        return self.runner.run_stage(plan, hidden)
 
     def execute_stage(self, plan_bytes: bytes, hidden: torch.Tensor) -> bytes:
         """A step on the last pipeline stage, from the previous stage's hidden states."""
@@ -237,16 +265,29 @@ class Worker:
         return encode(self.runner.execute(plan, hidden.to(self.device)))
 
     def serve_stage(self, frame_bytes: bytes) -> bytes:
-        """A step sent over a stage's step channel (``workers.stage_wire``): the last stage
-        answers with the result; the others with their hidden states, from TP rank 0."""
+        """A step sent over a stage's step channel (``workers.stage_wire``), its hidden
+        states taken from the previous stage and sent to the next point to point: the last
+        stage answers with the result, the others with nothing."""
         step = decode(frame_bytes, StageStep)
-        hidden = None if step.hidden is None else unpack_hidden(step.hidden, self.device)
-        # The methods of this class, not an actor's overrides: those would queue the call
-        # for the thread this already runs on.
-        if self.options.pipeline_stage.is_last:
-            return Worker.execute_stage(self, step.plan, hidden)
-        out = Worker.run_stage(self, step.plan, hidden, step.owed)
-        return b"" if out is None else encode(pack_hidden(out))
+        plan = decode(step.plan, StepPlan)
+        stage = self.options.pipeline_stage
+        hidden = None if stage.is_first else self._hidden_from_previous_stage(plan)
+        if stage.is_last:
+            if self.runner is None:
+                raise RuntimeError("serve_stage() before allocate_kv_cache()")
+            return encode(self.runner.execute(plan, hidden))
+        out = self._stage_forward(plan, hidden, step.owed)
+        if get_tp_group().is_first_rank and plan.num_scheduled_tokens:
+            if out.dtype != self._dtype:  # the next stage receives the model's dtype
+                raise RuntimeError(f"stage output in {out.dtype}, not {self._dtype}")
+            send_to_next_stage(out)
+        return b""
+
+    def _hidden_from_previous_stage(self, plan: StepPlan) -> torch.Tensor:
+        shape = (plan.num_scheduled_tokens, self.model_config.hidden_size)
+        if not plan.num_scheduled_tokens:  # a step that only forgets requests
+            return torch.empty(shape, dtype=self._dtype, device=self.device)
+        return recv_from_previous_stage(shape, self._dtype, self.device)
 
     def health(self) -> dict:
         return {
