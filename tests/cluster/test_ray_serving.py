@@ -210,16 +210,15 @@ def test_more_stages_than_layers_are_refused_before_placing(local_ray):
     assert ray.available_resources().get("CPU", 0) >= free  # nothing was left reserved
 
 
-@pytest.mark.parametrize("name", ["nemotron-h", "deepseek"])
-def test_two_stages_of_two_ranks_give_transformers_tokens_for_hybrid_and_mla(
-    local_ray, tmp_path, name
-):
-    """A NemotronH (Mamba and attention on both stages) and a DeepSeek (MLA) at PP 2 x TP 2
-    in BLHNC, the prompts sent at once and chunked (16 tokens a step)."""
-    model_dir, _, _ = save_stage_checkpoint(name, tmp_path)
+@pytest.mark.parametrize("name", ["llama", "nemotron-h", "deepseek"])
+def test_two_stages_of_two_ranks_give_transformers_tokens(local_ray, tmp_path, name):
+    """A dense Llama in LHBNC, a NemotronH (Mamba and attention on both stages) and a
+    DeepSeek (MLA) in BLHNC at PP 2 x TP 2, the prompts sent at once and chunked (16 tokens
+    a step)."""
+    model_dir, layout, _ = save_stage_checkpoint(name, tmp_path)
     handle, address = serve(
         model=str(model_dir), pipeline_parallel_size=2, tensor_parallel_size=2,
-        kv_cache_layout="BLHNC", max_num_batched_tokens=16,
+        kv_cache_layout=layout, max_num_batched_tokens=16,
     )  # fmt: skip
     try:
         expected = reference_generations(model_dir, HF_PROMPTS, 8)
