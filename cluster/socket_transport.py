@@ -92,34 +92,50 @@ async def open_channels(actors: list, *, stage: bool = False) -> list[_RankChann
     return channels
 
 
+class LazyChannels:
+    """Step channels to ``actors``, opened at the first step and kept for every step after
+    (``stage``: pipeline stages' frames); closed from any thread."""
+
+    def __init__(self, actors: list, *, stage: bool = False):
+        self.actors, self.stage = actors, stage
+        self._channels: list[_RankChannel] | None = None
+        self._connecting: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def get(self) -> list[_RankChannel]:
+        if self._channels is None:
+            if self._connecting is None:
+                self._loop = asyncio.get_running_loop()
+                self._connecting = asyncio.ensure_future(
+                    open_channels(self.actors, stage=self.stage)
+                )
+            # No await between connecting and writing, so steps go out in the order sent.
+            self._channels = await asyncio.shield(self._connecting)
+        return self._channels
+
+    def close(self) -> None:
+        """Close every channel (the ranks then wait for a new one)."""
+        channels, self._channels = self._channels or [], None
+        if self._loop is None or self._loop.is_closed():
+            return
+        for channel in channels:
+            self._loop.call_soon_threadsafe(channel.close)
+
+
 class SocketTransport:
     """Every TP rank is a Ray actor with a step channel; all run the same plan, rank 0's
     result is the answer."""
 
     def __init__(self, actors: list):
         self.actors = actors
-        self._channels: list[_RankChannel] | None = None
-        self._connecting: asyncio.Task | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    async def _connect(self) -> list[_RankChannel]:
-        self._loop = asyncio.get_running_loop()
-        return await open_channels(self.actors)
+        self._channels = LazyChannels(actors)
 
     async def execute(self, plan: StepPlan) -> StepResult:
-        if self._channels is None:
-            if self._connecting is None:
-                self._connecting = asyncio.ensure_future(self._connect())
-            # No await between connecting and writing, so steps go out in the order sent.
-            self._channels = await asyncio.shield(self._connecting)
+        channels = await self._channels.get()
         payload = encode(plan)
-        replies = await asyncio.gather(*(channel.send(payload) for channel in self._channels))
+        replies = await asyncio.gather(*(channel.send(payload) for channel in channels))
         return decode(replies[0], StepResult)
 
     def close(self) -> None:
         """Close every channel (the ranks then wait for a new one); from any thread."""
-        channels, self._channels = self._channels or [], None
-        if self._loop is None or self._loop.is_closed():
-            return
-        for channel in channels:
-            self._loop.call_soon_threadsafe(channel.close)
+        self._channels.close()

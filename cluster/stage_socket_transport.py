@@ -14,9 +14,7 @@ after them (``StagedTransport`` does the same over Ray calls).
 
 from __future__ import annotations
 
-import asyncio
-
-from cluster.socket_transport import _RankChannel, open_channels
+from cluster.socket_transport import LazyChannels
 from kvcore import decode, encode
 from workers.protocol import StepPlan, StepResult
 from workers.stage_wire import StageStep
@@ -25,31 +23,22 @@ from workers.stage_wire import StageStep
 class SocketStagedTransport:
     def __init__(self, stages: list[list]):
         self.stages = stages  # the worker actors of each stage, TP rank order
-        self._channels: list[list[_RankChannel]] | None = None
-        self._connecting: asyncio.Task | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        # One channel per rank, stage after stage: the last stage's ranks come last.
+        self._channels = LazyChannels([actor for actors in stages for actor in actors], stage=True)
+        self._last_stage_from = sum(len(actors) for actors in stages[:-1])
         self._owed: list[tuple[bytes, bytes]] = []
 
-    async def _connect(self) -> list[list[_RankChannel]]:
-        self._loop = asyncio.get_running_loop()
-        return [await open_channels(actors, stage=True) for actors in self.stages]
-
     async def execute(self, plan: StepPlan) -> StepResult:
-        if self._channels is None:
-            if self._connecting is None:
-                self._connecting = asyncio.ensure_future(self._connect())
-            # No await between connecting and writing, so steps go out in the order sent.
-            self._channels = await asyncio.shield(self._connecting)
+        channels = await self._channels.get()
         payload = encode(plan)
         owed, self._owed = self._owed, []
         earlier = encode(StageStep(plan=payload, owed=owed))
         last = encode(StageStep(plan=payload))
         replies = [
-            channel.send(earlier if index < len(self._channels) - 1 else last)
-            for index, channels in enumerate(self._channels)
-            for channel in channels
+            channel.send(earlier if index < self._last_stage_from else last)
+            for index, channel in enumerate(channels)
         ]
-        result = await replies[-len(self._channels[-1])]  # the last stage's TP rank 0
+        result = await replies[self._last_stage_from]  # the last stage's TP rank 0
         for reply in replies:  # the others' acknowledgements: a failure is the step's
             await reply
         self._owed.append((payload, result))
@@ -57,8 +46,4 @@ class SocketStagedTransport:
 
     def close(self) -> None:
         """Close every channel (the ranks then wait for a new one); from any thread."""
-        stages, self._channels = self._channels or [], None
-        if self._loop is None or self._loop.is_closed():
-            return
-        for channel in (channel for channels in stages for channel in channels):
-            self._loop.call_soon_threadsafe(channel.close)
+        self._channels.close()

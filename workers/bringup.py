@@ -55,17 +55,21 @@ async def bring_up(
 
 
 async def bring_up_stages(
-    stage_ranks: Sequence[Sequence[Rank]], plan: StagesPlan
+    stage_ranks: Sequence[Sequence[Rank]], plan: StagesPlan, *, linked: bool = True
 ) -> list[KVCacheConfig]:
     """``bring_up`` for pipeline stages: every rank of every stage joins one group, each
     stage's ranks a TP subgroup of it (``workers.parallel.init_stage_groups``), and ``plan``
     makes every stage's cache from all stages' reports at once (their block counts must
-    agree)."""
-    init_method = await stage_ranks[0][0].call("rendezvous_address")
-    await _on_all(
-        [rank for ranks in stage_ranks for rank in ranks], "init_stage_groups", init_method
-    )
-    reports = list(await asyncio.gather(*(_loaded_and_reported(r) for r in stage_ranks)))
+    agree). Without ``linked`` each stage is a TP group alone and sends nothing point to
+    point (stages in one process, which can join no group of torch's together)."""
+    if linked:
+        init_method = await stage_ranks[0][0].call("rendezvous_address")
+        everyone = [rank for ranks in stage_ranks for rank in ranks]
+        await _on_all(everyone, "init_stage_groups", init_method)
+        reported = [_loaded_and_reported(ranks) for ranks in stage_ranks]
+    else:
+        reported = [_joined_loaded_and_reported(ranks, None) for ranks in stage_ranks]
+    reports = list(await asyncio.gather(*reported))
     configs = plan(reports)
     for ranks, kv_config in zip(stage_ranks, configs, strict=True):
         await _on_all(ranks, "allocate_kv_cache", encode(kv_config))

@@ -13,7 +13,8 @@ import pytest
 from cluster.config import EngineConfig
 from cluster.stage_startup import plan_stage_caches
 from tests.workers.hf_models import PROMPTS, reference_generations, save_model
-from tests.workers.test_pipeline_stages import NUM_TOKENS, chained
+from tests.workers.stage_helpers import chained
+from tests.workers.test_pipeline_stages import NUM_TOKENS
 from workers.bringup import LocalRank, bring_up_stages
 from workers.model_source import model_config_for
 from workers.options import WorkerOptions
@@ -49,7 +50,9 @@ def bring_up(model_dir, stages, memories) -> tuple[list[Worker], list]:
     def plan(reports):
         return plan_stage_caches(reports, model_config, config, stages)
 
-    plans = asyncio.run(bring_up_stages([[LocalRank(w)] for w in workers], plan))
+    # In one process the stages hand their hidden states on by function call (``chained``).
+    ranks = [[LocalRank(w)] for w in workers]
+    plans = asyncio.run(bring_up_stages(ranks, plan, linked=False))
     return workers, plans
 
 
