@@ -262,7 +262,9 @@ def test_serve_two_replicas_on_two_cpus_and_two_sigterms_drain_once():
     try:
         assert "with 2 replica(s) on Ray Serve (TP 1 each, kv-aware routing)" in seen[-1]
         api = openai.OpenAI(base_url=base_url.strip(), api_key="unused", max_retries=0)
-        completion = api.completions.create(model="embedded:tiny", prompt="Hello", max_tokens=4)
+        completion = api.completions.create(  # sampled: without ignore_eos, EOS may end it
+            model="embedded:tiny", prompt="Hello", max_tokens=4, extra_body={"ignore_eos": True}
+        )
         assert completion.usage.completion_tokens == 4
         with Client(address, timeout=60) as client:
             assert len(client.generate([1, 2, 3], max_tokens=3).token_ids) == 3

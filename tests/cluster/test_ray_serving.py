@@ -160,7 +160,7 @@ def test_placement_that_cannot_fit_now_waits_then_says_what_was_asked(local_ray)
 STAGED = {"socket": "SocketStagedTransport", "actor_calls": "StagedTransport"}
 
 
-@pytest.mark.parametrize("tp,transport", [(1, "socket"), (2, "socket"), (2, "actor_calls")])
+@pytest.mark.parametrize("tp,transport", [(1, "socket"), (2, "socket"), (1, "actor_calls")])
 def test_two_stages_serve_the_tokens_of_one(local_ray, reference_tokens, tp, transport):
     handle, address = serve(
         pipeline_parallel_size=2, tensor_parallel_size=tp, step_transport=transport
