@@ -248,11 +248,12 @@ class EngineConfig(RankSettings, frozen=True, kw_only=True):
         return split_layers(num_layers, self.pipeline_parallel_size, self.pp_layer_partition)
 
     @property
-    def micro_batches(self) -> int:
+    def micro_batches(self) -> int | None:
         """Steps the engine keeps in flight through the pipeline stages, each of requests the
-        others do not hold (1 at PP 1, where steps chain the same requests instead)."""
+        others do not sample for (None at PP 1, where a step planned while one runs carries
+        the same requests on: ``SchedulerConfig.micro_batches``)."""
         if self.pipeline_parallel_size == 1:
-            return 1
+            return None
         return self.pp_micro_batches or self.pipeline_parallel_size
 
     @property

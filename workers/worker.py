@@ -64,6 +64,7 @@ class Worker:
         self.backend = get_attention_backend(options.backend_on(self.device.type == "cuda"))
         self.model_config: ModelConfig = model_config_for(options.model)
         self.model = None
+        self._dtype: torch.dtype | None = None  # the weights' and hidden states', once loaded
         self.runner: ModelRunner | None = None
         self._raw_kv_cache: torch.Tensor | None = None
 
@@ -105,7 +106,7 @@ class Worker:
             self.memory.reset_peak()
             self._memory_before_load = self.memory.snapshot()
         dtype = TORCH_DTYPES[self.options.model_dtype(self.model_config.dtype)]
-        self._dtype = dtype  # the hidden states' too
+        self._dtype = dtype
         with torch.device(self.device):
             model = model_class_for(self.model_config)(
                 self.model_config, dtype, self.options.pipeline_stage
@@ -250,7 +251,7 @@ class Worker:
 
     def _stage_forward(self, plan: StepPlan, hidden: torch.Tensor | None, owed) -> torch.Tensor:
         if self.runner is None:
-            raise RuntimeError("run_stage() before allocate_kv_cache()")
+            raise RuntimeError("a step before allocate_kv_cache()")
         for plan_before, result in owed:
             self.runner.take_sampled(decode(plan_before, StepPlan), decode(result, StepResult))
         if hidden is not None:
@@ -259,9 +260,11 @@ class Worker:
 
     def execute_stage(self, plan_bytes: bytes, hidden: torch.Tensor) -> bytes:
         """A step on the last pipeline stage, from the previous stage's hidden states."""
+        return self._last_stage_step(decode(plan_bytes, StepPlan), hidden)
+
+    def _last_stage_step(self, plan: StepPlan, hidden: torch.Tensor) -> bytes:
         if self.runner is None:
-            raise RuntimeError("execute_stage() before allocate_kv_cache()")
-        plan = decode(plan_bytes, StepPlan)
+            raise RuntimeError("a step before allocate_kv_cache()")
         return encode(self.runner.execute(plan, hidden.to(self.device)))
 
     def serve_stage(self, frame_bytes: bytes) -> bytes:
@@ -273,9 +276,7 @@ class Worker:
         stage = self.options.pipeline_stage
         hidden = None if stage.is_first else self._hidden_from_previous_stage(plan)
         if stage.is_last:
-            if self.runner is None:
-                raise RuntimeError("serve_stage() before allocate_kv_cache()")
-            return encode(self.runner.execute(plan, hidden))
+            return self._last_stage_step(plan, hidden)
         out = self._stage_forward(plan, hidden, step.owed)
         if get_tp_group().is_first_rank and plan.num_scheduled_tokens:
             if out.dtype != self._dtype:  # the next stage receives the model's dtype

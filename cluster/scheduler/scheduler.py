@@ -162,7 +162,8 @@ class Scheduler:
 
     @property
     def _pipelined(self) -> bool:
-        return self.max_steps_in_flight > 1 and self.config.micro_batches is not None
+        """Whether the steps in flight are micro-batches of pipeline stages."""
+        return self.config.micro_batches is not None and self.max_steps_in_flight > 1
 
     @property
     def has_work(self) -> bool:

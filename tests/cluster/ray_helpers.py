@@ -33,8 +33,9 @@ def greedy_tokens(address: str, max_tokens: int = 16) -> list[list[int]]:
         return [client.generate(p, max_tokens=max_tokens, temperature=0).token_ids for p in PROMPTS]
 
 
-def concurrent_greedy_tokens(address: str, prompts, max_tokens: int = 16) -> list[list[int]]:
-    """Greedy tokens of ``prompts``, all sent at once, each from a thread of its own."""
+def generate_all(address: str, prompts, max_tokens: int = 16) -> list[list[int]]:
+    """Greedy tokens of ``prompts``, all sent at once, each from a thread of its own (they
+    batch in the engine)."""
     results: dict[int, list[int]] = {}
 
     def run(index: int) -> None:

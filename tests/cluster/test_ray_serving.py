@@ -24,7 +24,7 @@ from cluster.transport import STEP_TRANSPORTS
 from tests.cluster.ray_helpers import (
     BASE,
     PROMPTS,
-    concurrent_greedy_tokens,
+    generate_all,
     greedy_tokens,
     long_stream,
     serve,
@@ -176,7 +176,7 @@ def test_two_stages_serve_the_tokens_of_one(local_ray, reference_tokens, tp, tra
             info = client.info()
             assert (info["tensor_parallel_size"], info["pipeline_parallel_size"]) == (tp, 2)
         # Sent at once, the requests split into two micro-batches, one step of each in flight.
-        assert concurrent_greedy_tokens(address, PROMPTS * 2) == reference_tokens * 2
+        assert generate_all(address, PROMPTS * 2) == reference_tokens * 2
         assert ray.get(handle.stats.remote())["most_steps_in_flight"] == 2
     finally:
         stop(handle)
@@ -222,7 +222,7 @@ def test_two_stages_of_two_ranks_give_transformers_tokens(local_ray, tmp_path, n
     )  # fmt: skip
     try:
         expected = reference_generations(model_dir, HF_PROMPTS, 8)
-        assert concurrent_greedy_tokens(address, HF_PROMPTS, max_tokens=8) == expected
+        assert generate_all(address, HF_PROMPTS, max_tokens=8) == expected
     finally:
         stop(handle)
 
@@ -240,7 +240,7 @@ def test_two_stages_verify_ngram_drafts_one_step_at_a_time(local_ray, tmp_path):
     )  # fmt: skip
     try:
         expected = reference_generations(model_dir, prompts, 24)
-        assert concurrent_greedy_tokens(address, prompts, max_tokens=24) == expected
+        assert generate_all(address, prompts, max_tokens=24) == expected
         with Client(address) as client:
             info = client.info()
         accepted = info["spec_decode_num_accepted_tokens"]

@@ -4,6 +4,10 @@ standing in for the workers, so each decision can be asserted exactly."""
 
 from __future__ import annotations
 
+import pytest
+
+from cluster.assembly import build_scheduler
+from cluster.config import EngineConfig
 from cluster.output.detokenizer import (
     CONTEXT_TOKENS,
     MAX_HELD_TOKENS,
@@ -15,6 +19,7 @@ from cluster.scheduler.scheduler import Scheduler, SchedulerConfig
 from kvcore import FullAttentionSpec, get_kv_cache_config
 from kvcore.coordinator import KVCacheCoordinator
 from kvcore.kv_request import KVRequest
+from workers.model_source import model_config_for
 from workers.protocol import StepResult
 from workers.sampling import SamplingParams
 from workers.tokenizer import ByteTokenizer
@@ -23,8 +28,8 @@ SPEC = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=4, dtype="float
 EOS = ByteTokenizer.EOS
 
 
-def make_scheduler(num_blocks=64, budget=16, max_num_seqs=8, caching=True, max_model_len=64):
-    config = get_kv_cache_config(
+def kv_config(num_blocks=64, budget=16, caching=True, max_model_len=64):
+    return get_kv_cache_config(
         {"l0": SPEC},
         1 << 20,
         "LBNHC",
@@ -33,6 +38,12 @@ def make_scheduler(num_blocks=64, budget=16, max_num_seqs=8, caching=True, max_m
         num_blocks_override=num_blocks,
         enable_prefix_caching=caching,
     )
+
+
+def make_scheduler(
+    num_blocks=64, budget=16, max_num_seqs=8, caching=True, max_model_len=64, micro_batches=None
+):
+    config = kv_config(num_blocks, budget, caching, max_model_len)
     coordinator = KVCacheCoordinator.from_config(
         config, max_num_batched_tokens=budget, enable_caching=caching
     )
@@ -43,6 +54,7 @@ def make_scheduler(num_blocks=64, budget=16, max_num_seqs=8, caching=True, max_m
             max_num_batched_tokens=budget,
             max_model_len=max_model_len,
             eos_token_ids=(EOS,),
+            micro_batches=micro_batches,
         ),
     )
 
@@ -231,8 +243,7 @@ def test_planning_ahead_never_preempts():
 def test_through_pipeline_stages_each_step_in_flight_takes_its_share_of_requests():
     """Two micro-batches: the requests split between the steps in flight; a step planned
     while both run finds nothing it may take; once one answers, its requests go on."""
-    scheduler = make_scheduler(budget=64)
-    scheduler.config = SchedulerConfig(**{**scheduler.config.__dict__, "micro_batches": 2})
+    scheduler = make_scheduler(budget=64, micro_batches=2)
     for index in range(4):
         scheduler.add(request(f"r{index}", [1, 2, 3], index))
     step_a = scheduler.schedule()
@@ -245,10 +256,21 @@ def test_through_pipeline_stages_each_step_in_flight_takes_its_share_of_requests
     assert [(r.request_id, n) for r, n in step_c.scheduled] == [("r0", 1), ("r1", 1)]
 
 
-def test_steps_in_flight_per_engine_shape():
-    scheduler = make_scheduler()
-    assert scheduler.max_steps_in_flight == 2  # one stage: the next step planned ahead
-    for micro_batches in (1, 2, 3):
-        fields = {**scheduler.config.__dict__, "micro_batches": micro_batches}
-        scheduler.config = SchedulerConfig(**fields)
-        assert scheduler.max_steps_in_flight == micro_batches
+SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}'
+
+
+@pytest.mark.parametrize(
+    ("settings", "steps"),
+    [
+        ({}, 2),  # one stage: the next step planned while one runs
+        ({"pipeline_parallel_size": 2}, 2),  # one per stage
+        ({"pipeline_parallel_size": 3}, 3),
+        ({"pipeline_parallel_size": 2, "pp_micro_batches": 1}, 1),
+        ({"speculative_config": SPECULATIVE}, 1),  # a verifying step's tokens are unknown
+    ],
+)
+def test_the_engine_settings_give_the_steps_in_flight(settings, steps):
+    scheduler = build_scheduler(
+        EngineConfig(**settings), model_config_for("embedded:tiny"), kv_config()
+    )
+    assert scheduler.max_steps_in_flight == steps

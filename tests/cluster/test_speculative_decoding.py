@@ -10,7 +10,6 @@ hybrid too."""
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 import ray
@@ -19,6 +18,7 @@ import torch
 from cluster.client import Client
 from cluster.config import EngineConfig
 from cluster.local import LocalServer
+from tests.cluster.ray_helpers import generate_all
 from tests.cluster.servers import RayServer
 from tests.workers.hf_models import (
     COMMON,
@@ -126,23 +126,6 @@ def speculation_counts(client: Client) -> tuple[int, int, int]:
         info["spec_decode_num_draft_tokens"],
         info["spec_decode_num_accepted_tokens"],
     )
-
-
-def generate_all(address: str, prompts, max_tokens: int) -> list[list[int]]:
-    """Every prompt at once, each from its own thread (they batch in the engine)."""
-    results: list = [None] * len(prompts)
-
-    def run(index):
-        with Client(address) as own:
-            done = own.generate(prompts[index], max_tokens=max_tokens, temperature=0)
-            results[index] = done.token_ids
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return results
 
 
 def test_greedy_tokens_equal_transformers_with_drafts_accepted_and_rejected(model):

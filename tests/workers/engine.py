@@ -81,16 +81,48 @@ def run_in_process(options: WorkerOptions, layout: str, batches, *, chunk: int):
     return run_requests(start_worker(options, layout), batches, chunk=chunk)
 
 
-def _rank_main(rank, options, layout, batches, chunk, address, queue, probe):
+def _rank_main(rank, address, options, layout, batches, chunk, probe):
+    worker = start_worker(options, layout, rank=rank, init_method=address)
+    outputs = run_requests(worker, batches, chunk=chunk)
+    probed = None if probe is None else probe(worker)
+    worker.shutdown()
+    return outputs, probed
+
+
+def _reporting(target, rank, address, args, queue):
     try:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        worker = start_worker(options, layout, rank=rank, init_method=address)
-        outputs = run_requests(worker, batches, chunk=chunk)
-        probed = None if probe is None else probe(worker)
-        worker.shutdown()
-        queue.put((rank, (outputs, probed), None))
+        queue.put((rank, target(rank, address, *args), None))
     except BaseException:  # report it to the parent instead of hanging it
         queue.put((rank, None, traceback.format_exc()))
+
+
+def run_in_processes(target, num_ranks: int, *args, timeout: float = 600) -> dict:
+    """``target(rank, address, *args)`` (a module-level function) in a spawned process per
+    rank, all given one rendezvous ``address``; rank -> what each returned. A rank that
+    raises fails the call with its traceback; none is left running."""
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    address = pick_rendezvous()
+    processes = [
+        context.Process(target=_reporting, args=(target, rank, address, args, queue))
+        for rank in range(num_ranks)
+    ]
+    for process in processes:
+        process.start()
+    results = {}
+    try:
+        for _ in processes:
+            rank, result, error = queue.get(timeout=timeout)
+            if error is not None:
+                raise RuntimeError(f"rank {rank} failed:\n{error}")
+            results[rank] = result
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    return results
 
 
 def run_tensor_parallel(
@@ -99,30 +131,10 @@ def run_tensor_parallel(
     """Every rank in its own process; returns rank 0's outputs after checking all agree.
     With ``probe`` (a module-level function of the finished worker), returns the outputs and
     every rank's probe result."""
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    address = pick_rendezvous()
-    ranks = [
-        context.Process(
-            target=_rank_main,
-            args=(rank, options, layout, batches, chunk, address, queue, probe),
-        )
-        for rank in range(options.tensor_parallel_size)
-    ]
-    for process in ranks:
-        process.start()
-    results = {}
-    try:
-        for _ in ranks:
-            rank, outputs, error = queue.get(timeout=timeout)
-            if error is not None:
-                raise RuntimeError(f"rank {rank} failed:\n{error}")
-            results[rank] = outputs
-    finally:
-        for process in ranks:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
+    results = run_in_processes(
+        _rank_main, options.tensor_parallel_size, options, layout, batches, chunk, probe,
+        timeout=timeout,
+    )  # fmt: skip
     assert all(outputs == results[0][0] for outputs, _ in results.values()), "ranks disagree"
     if probe is None:
         return results[0][0]

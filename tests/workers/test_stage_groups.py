@@ -4,18 +4,14 @@ sent point to point reach every rank of the next stage whole and in the order se
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import traceback
-
 import torch
 
+from tests.workers.engine import run_in_processes
 from workers.parallel import (
     all_reduce,
     broadcast_from_first,
     destroy_tp_group,
     init_stage_groups,
-    pick_rendezvous,
     recv_from_previous_stage,
     send_to_next_stage,
 )
@@ -23,50 +19,27 @@ from workers.parallel import (
 TP, STAGES = 2, 2
 
 
-def _rank_main(global_rank: int, address: str, queue) -> None:
-    try:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        stage, tp_rank = divmod(global_rank, TP)
-        init_stage_groups(tp_rank, TP, stage, STAGES, address, backend="gloo")
-        summed = all_reduce(torch.tensor([float(global_rank)])).item()
-        first = broadcast_from_first(torch.tensor([global_rank])).item()
-        received = []
-        if stage == 0 and tp_rank == 0:
-            for step in range(2):  # two steps' hidden states, the second sent at once
-                send_to_next_stage(torch.full((3, 4), float(step)))
-            send_to_next_stage(torch.zeros(1, 4))  # waits for the two before to be taken
-        elif stage == 1:
-            cpu = torch.device("cpu")
-            for _ in range(2):
-                received.append(recv_from_previous_stage((3, 4), torch.float32, cpu)[0, 0].item())
-            recv_from_previous_stage((1, 4), torch.float32, cpu)
-        destroy_tp_group()
-        queue.put((global_rank, (summed, first, received), None))
-    except BaseException:  # report it to the parent instead of hanging it
-        queue.put((global_rank, None, traceback.format_exc()))
+def _rank_main(global_rank: int, address: str):
+    stage, tp_rank = divmod(global_rank, TP)
+    init_stage_groups(tp_rank, TP, stage, STAGES, address, backend="gloo")
+    summed = all_reduce(torch.tensor([float(global_rank)])).item()
+    first = broadcast_from_first(torch.tensor([global_rank])).item()
+    received = []
+    if stage == 0 and tp_rank == 0:
+        for step in range(2):  # two steps' hidden states, the second sent at once
+            send_to_next_stage(torch.full((3, 4), float(step)))
+        send_to_next_stage(torch.zeros(1, 4))  # waits for the two before to be taken
+    elif stage == 1:
+        cpu = torch.device("cpu")
+        for _ in range(2):
+            received.append(recv_from_previous_stage((3, 4), torch.float32, cpu)[0, 0].item())
+        recv_from_previous_stage((1, 4), torch.float32, cpu)
+    destroy_tp_group()
+    return summed, first, received
 
 
 def test_stage_subgroups_and_point_to_point_hidden_states():
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    address = pick_rendezvous()
-    processes = [
-        context.Process(target=_rank_main, args=(rank, address, queue))
-        for rank in range(TP * STAGES)
-    ]
-    for process in processes:
-        process.start()
-    results = {}
-    try:
-        for _ in processes:
-            rank, result, error = queue.get(timeout=120)
-            assert error is None, f"rank {rank} failed:\n{error}"
-            results[rank] = result
-    finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
+    results = run_in_processes(_rank_main, TP * STAGES, timeout=120)
     # Sums and broadcasts within each stage only: stage 0 holds ranks 0 and 1, stage 1 2 and 3.
     assert [results[r][:2] for r in range(4)] == [(1.0, 0), (1.0, 0), (5.0, 2), (5.0, 2)]
     assert results[2][2] == results[3][2] == [0.0, 1.0]  # both steps, in order
