@@ -4,10 +4,11 @@
 Up to ``KERNEL_MAX_ROWS`` rows of x (decode steps, short chunks) the kernel expands each block
 in registers and streams the integers from memory once. Where expanding the weights is most
 of the work, AVX2 machines take the kernel's integer path instead: x is held as int16 per
-32-value block (15 significant bits, an error of at most half a step of ``max|x| / 32767``
+32-value block (14 significant bits, an error of at most half a step of ``max|x| / 16383``
 per value) and multiplied with integer multiply-adds, several x rows per widened block. How
 many rows that pays for the kernel says (``int16_max_rows``): one or two with AVX-512's
-float tiles, up to 8 against AVX2's. Longer inputs
+float tiles, up to 8 against AVX2's. With AVX-512 VNNI one or two rows are split into bytes
+and multiplied with W's bytes directly (``split_max_rows``). Longer inputs
 (prefill chunks) are compute-bound: there a weight of moderate size is expanded to float32
 once and handed to the float GEMM; a large one (an LM head) stays with the kernel.
 Where no compiler is found, ``kernel()`` is None and the caller keeps float weights instead.
@@ -64,12 +65,13 @@ def kernel():
     except (OSError, ValueError) as exc:
         logger.warning("CPU quantized matmul kernel unavailable (%s)", exc)
         return None
-    for name in ("gguf_matmul", "gguf_matmul_int16", "gguf_dequantize", "gguf_int16_max_rows"):
+    entry_points = ("gguf_matmul", "gguf_matmul_int16", "gguf_dequantize")
+    for name in (*entry_points, "gguf_int16_max_rows", "gguf_split_max_rows"):
         function = getattr(library, name)
         function.restype = ctypes.c_int
     library.gguf_matmul.argtypes = [ctypes.POINTER(QMatmulArgs)]
     library.gguf_matmul_int16.argtypes = [ctypes.POINTER(QMatmulArgs)]
-    library.gguf_int16_max_rows.argtypes = []
+    library.gguf_int16_max_rows.argtypes = library.gguf_split_max_rows.argtypes = []
     library.gguf_dequantize.argtypes = [ctypes.POINTER(QMatmulArgs), ctypes.c_void_p]
     return library
 
@@ -123,6 +125,12 @@ def matmul_function(num_rows: int):
 
 def has_int16_path() -> bool:
     return _kernel_int16_max_rows() > 0
+
+
+def split_max_rows() -> int:
+    """Rows up to which the integer path multiplies bytes with vpdpbusd (0: no AVX-512 VNNI
+    here, vpmaddwd serves them)."""
+    return int(kernel().gguf_split_max_rows()) if has_int16_path() else 0
 
 
 def int16_max_rows() -> int:

@@ -56,26 +56,31 @@ def test_products_equal_float64_with_the_dequantized_weight(type_name, num_rows,
 
 
 def int16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x as the integer path holds it: per 32-value block, float32 ``32767 / max|x|`` times
-    x rounded half to even, and the block scales ``max|x| / 32767``."""
+    """x as the integer path holds it: per 32-value block, float32 ``16383 / max|x|`` times
+    x rounded half to even, and the block scales ``max|x| / 16383``."""
     blocks = x.reshape(x.shape[0], -1, 32)
     largest = blocks.abs().amax(-1, keepdim=True)
-    inverse = torch.where(largest > 0, torch.tensor(32767.0) / largest, torch.zeros(()))
-    return torch.round(blocks * inverse), largest / torch.tensor(32767.0)
+    inverse = torch.where(largest > 0, torch.tensor(16383.0) / largest, torch.zeros(()))
+    return torch.round(blocks * inverse), largest / torch.tensor(16383.0)
 
 
 @pytest.mark.skipif(not cpu_matmul.has_int16_path(), reason="the integer path needs AVX2")
 @pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 8, KERNEL_MAX_ROWS])
-def test_the_integer_path_is_the_product_of_int16_activations(type_name, num_rows, monkeypatch):
+@pytest.mark.parametrize("cols", [288, 1120])
+def test_the_integer_path_is_the_product_of_int16_activations(
+    type_name, num_rows, cols, monkeypatch
+):
     """On the integer path x is rounded to int16 per block: the products equal float64 ones
     of the rounded activations, and those of x itself within the rounding's bound (half a step
-    per value times the weight's magnitude). One or two rows go one at a time, more in tiles
-    of four (5 rows: a tile and a lone row); 288 columns are a group of eight blocks and one
-    left over."""
+    per value times the weight's magnitude). One or two rows go one at a time (split into
+    bytes with AVX-512 VNNI), more in tiles of four (5 rows: a tile and a lone row). 288
+    columns are a group of eight blocks and one left over (four pairs and a lone block when
+    split); 1120 are 35 blocks, past the sixteen blocks whose scales the split form makes at
+    once."""
     monkeypatch.setattr(cpu_matmul, "INT16_MAX_ROWS", KERNEL_MAX_ROWS)
-    matrix, weight = gguf_matrix(type_name, 75, 288, seed=7 + num_rows)
-    x = torch.randn(num_rows, 288, generator=torch.Generator().manual_seed(num_rows)) * 3
+    matrix, weight = gguf_matrix(type_name, 75, cols, seed=7 + num_rows)
+    x = torch.randn(num_rows, cols, generator=torch.Generator().manual_seed(num_rows)) * 3
     assert cpu_matmul.matmul_function(num_rows) == cpu_matmul.kernel().gguf_matmul_int16
     got = quantized_linear(x, matrix).double()
     q, scales = int16_rows(x)
@@ -86,12 +91,22 @@ def test_the_integer_path_is_the_product_of_int16_activations(type_name, num_row
     if matrix.kind == "q4":
         minimum = matrix.mins.double().repeat_interleave(32, dim=1)
     expected = rounded @ (weight.double() - minimum).T + x.double() @ minimum.T
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    # float32 sums of the blocks' products: their rounding grows with the columns
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4 * cols / 288)
     exact = x.double() @ weight.double().T
     steps = scales.expand(-1, -1, 32).reshape(x.shape).double() / 2
     bound = steps @ (weight.double() - minimum).abs().T + 1e-4
     assert ((got - exact).abs() <= bound).all()
     assert (got - exact).abs().max() > 0  # the rounding is there: this is not the float path
+
+
+def test_the_split_byte_form_is_there_on_cpus_with_avx512_vnni():
+    """Decode steps' one or two rows take vpdpbusd where the CPU has it (the products above
+    then come from that form); elsewhere the vpmaddwd form serves them."""
+    with open("/proc/cpuinfo") as cpuinfo:
+        flags = next((line for line in cpuinfo if line.startswith("flags")), "")
+    has_vnni = {"avx512_vnni", "avx512bw", "avx512vl", "f16c"} <= set(flags.split())
+    assert cpu_matmul.split_max_rows() == (2 if has_vnni else 0)
 
 
 def test_leading_dimensions_and_strided_rows_are_kept(monkeypatch):

@@ -5,7 +5,8 @@
  * weights from memory: 4-bit blocks are a sixth of the float32 bytes. Each block is expanded to
  * float32 in registers (w = d * q + m for 4-bit, w = d * q for 8-bit, as the dequantized
  * weights would be) and multiplied with float32 activations, so the result is the float32
- * product up to summation order. Activations are never quantized.
+ * product up to summation order. The integer path further down (a decode step's few rows)
+ * rounds the activations to int16 per block instead.
  *
  * Layout (made by kernels/quant/gguf_blocks.py at load):
  *   4-bit: qs [N, K/2] bytes, byte j of a block holds weight j (low nibble) and j + 16 (high);
@@ -255,12 +256,16 @@ int gguf_matmul(const QMatmulArgs *a) {
 #if defined(__AVX2__) && defined(__FMA__)
 /*
  * The integer path (AVX2): each 32-value block of an x row is held as int16 with its own
- * scale (s = max|x| / 32767, an error of at most s / 2 per value: 15 significant bits, where
- * llama.cpp's 8-bit activations keep 7), so a block's products are exact integer
- * multiply-adds (vpmaddwd) and one float multiply by the two scales. At a few rows this does
- * half the instructions of expanding every weight to float32. Q4's minimum enters through
- * the block's float sum of x: sum(x * (d q + m)) = d sum(x q) + m sum(x).
+ * scale (s = max|x| / INT16_LEVELS, an error of at most s / 2 per value: 14 significant bits,
+ * where llama.cpp's 8-bit activations keep 7), so a block's products are exact integer
+ * multiply-adds (vpmaddwd, or vpdpbusd on the split-byte path below) and one float multiply by
+ * the two scales. At a few rows this does half the instructions of expanding every weight to
+ * float32. Q4's minimum enters through the block's float sum of x:
+ * sum(x * (d q + m)) = d sum(x q) + m sum(x).
+ *
+ * 14 bits, not 15: the split-byte path needs v / 128 to fit a signed byte.
  */
+#define INT16_LEVELS 16383.0f
 typedef struct {
     int16_t *q;   /* [M, K] */
     float *scale; /* [M, K / 32] */
@@ -287,8 +292,8 @@ static void quantize_rows(const QMatmulArgs *a, const Int16Rows *x16) {
             float largest = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
             int16_t *q = x16->q + i * a->k + b * BLOCK;
             x16->sum[i * blocks + b] = sum_avx2(total);
-            x16->scale[i * blocks + b] = largest / 32767.0f;
-            __m256 inverse = _mm256_set1_ps(largest > 0.0f ? 32767.0f / largest : 0.0f);
+            x16->scale[i * blocks + b] = largest / INT16_LEVELS;
+            __m256 inverse = _mm256_set1_ps(largest > 0.0f ? INT16_LEVELS / largest : 0.0f);
             for (int j = 0; j < 4; j += 2) {
                 __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse));
                 __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], inverse));
@@ -435,6 +440,181 @@ static void int16_rows_dot(const QMatmulArgs *a, const Int16Rows *x16, int64_t n
     }
 }
 
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+/*
+ * The split-byte path (AVX-512 VNNI, one or two x rows): each int16 value v of x, at most
+ * INT16_LEVELS in magnitude, is split as v = 128 hi + lo (hi signed, lo 0-127, both bytes), so
+ * vpdpbusd multiplies W's bytes with x's 64 at a time: 4-bit weights as they are (0-15) and
+ * 8-bit ones with their sign bit flipped (w + 128, unsigned), whose extra 128 sum(v) per four
+ * values is taken off again from `fix`. The integer sums are exact, as on the vpmaddwd path,
+ * in a third of its instructions: no weight is widened to 16 bits. Two blocks fill a
+ * register; their lanes meet each block's scale (W's times x's) in one FMA.
+ *
+ * x's bytes are laid out in the order of W's: a 4-bit pair of blocks b, b + 1 is 32 bytes of
+ * qs whose low nibbles (weights 0-15 of b, then of b + 1) come before the high ones (16-31),
+ * so x's positions 0-63 of the pair are x_b[0:16], x_b+1[0:16], x_b[16:32], x_b+1[16:32];
+ * 8-bit pairs and a last lone block are in natural order.
+ */
+typedef struct {
+    int8_t *hi, *lo; /* [M, K] each, in W's byte order */
+    int32_t *fix;    /* [M, K / 4]: 128 times each four values' sum (8-bit W only) */
+} SplitRows;
+
+/* The x value at byte position p of a row (4-bit W: the pair order above). */
+static inline int64_t split_source(const QMatmulArgs *a, int64_t p) {
+    int64_t paired = (a->k / BLOCK / 2) * 2 * BLOCK;
+    if (a->kind != KIND_Q4 || p >= paired) return p;
+    int64_t r = p % 64;
+    return (p / 64) * 64 + ((r >> 4) & 1) * BLOCK + (r & 15) + ((r >> 5) << 4);
+}
+
+static void split_rows(const QMatmulArgs *a, const Int16Rows *x16, const SplitRows *xs) {
+    for (int64_t i = 0; i < a->m; i++) {
+        const int16_t *q = x16->q + i * a->k;
+        int8_t *hi = xs->hi + i * a->k, *lo = xs->lo + i * a->k;
+        for (int64_t p = 0; p < a->k; p++) {
+            int16_t v = q[split_source(a, p)];
+            hi[p] = (int8_t)(v >> 7);
+            lo[p] = (int8_t)(v & 127);
+        }
+        if (a->kind == KIND_Q8)
+            for (int64_t j = 0; j < a->k / 4; j++)
+                xs->fix[i * (a->k / 4) + j] = 128 * (q[4 * j] + q[4 * j + 1] + q[4 * j + 2] + q[4 * j + 3]);
+    }
+}
+
+/* Blocks b, b + 1 of W row n as 64 unsigned bytes in the split order. */
+static inline __m512i split_pair(const QMatmulArgs *a, int64_t n, int64_t b) {
+    if (a->kind == KIND_Q4) {
+        __m256i q = _mm256_loadu_si256((const __m256i *)(a->qs + n * (a->k / 2) + b * 16));
+        __m256i low = _mm256_and_si256(q, _mm256_set1_epi8(15));
+        __m256i high = _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(15));
+        return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+    }
+    __m512i q = _mm512_loadu_si512((const void *)(a->qs + n * a->k + b * BLOCK));
+    return _mm512_xor_si512(q, _mm512_set1_epi8((char)0x80));
+}
+
+/* Block b of W row n alone (the last of an odd count) as 32 unsigned bytes. */
+static inline __m256i split_block(const QMatmulArgs *a, int64_t n, int64_t b) {
+    if (a->kind == KIND_Q4) {
+        __m128i q = _mm_loadu_si128((const __m128i *)(a->qs + n * (a->k / 2) + b * 16));
+        __m128i low = _mm_and_si128(q, _mm_set1_epi8(15));
+        __m128i high = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(15));
+        return _mm256_set_m128i(high, low);
+    }
+    __m256i q = _mm256_loadu_si256((const __m256i *)(a->qs + n * a->k + b * BLOCK));
+    return _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80));
+}
+
+/* The exact integer sums of W's bytes w against x's from byte position p of row i. */
+static inline __m512i split_sums(const SplitRows *xs, const QMatmulArgs *a, __m512i w, int64_t i,
+                                 int64_t p) {
+    __m512i h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w,
+                                    _mm512_loadu_si512((const void *)(xs->hi + i * a->k + p)));
+    __m512i l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w,
+                                    _mm512_loadu_si512((const void *)(xs->lo + i * a->k + p)));
+    __m512i s = _mm512_add_epi32(_mm512_slli_epi32(h, 7), l);
+    if (a->kind == KIND_Q8)
+        s = _mm512_sub_epi32(s, _mm512_loadu_si512((const void *)(xs->fix + i * (a->k / 4) + p / 4)));
+    return s;
+}
+
+static inline __m256i split_block_sums(const SplitRows *xs, const QMatmulArgs *a, __m256i w,
+                                       int64_t i, int64_t p) {
+    __m256i h = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w,
+                                    _mm256_loadu_si256((const __m256i *)(xs->hi + i * a->k + p)));
+    __m256i l = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w,
+                                    _mm256_loadu_si256((const __m256i *)(xs->lo + i * a->k + p)));
+    __m256i s = _mm256_add_epi32(_mm256_slli_epi32(h, 7), l);
+    if (a->kind == KIND_Q8)
+        s = _mm256_sub_epi32(s, _mm256_loadu_si256((const __m256i *)(xs->fix + i * (a->k / 4) + p / 4)));
+    return s;
+}
+
+/* Row n of W against `rows` (1 or 2) x rows from row 0, into y: W's bytes are read and split
+ * once for both. Sixteen blocks' scales (W's float16 ones times x's) are made at once and
+ * each pair's lanes pick theirs with a permute. Inlined with `rows` a constant. */
+static inline __attribute__((always_inline)) void split_rows_dot(
+    const QMatmulArgs *a, const Int16Rows *x16, const SplitRows *xs, int64_t n, const int rows) {
+    int64_t blocks = a->k / BLOCK;
+    const uint16_t *d = a->scales + n * blocks;
+    const uint16_t *mins = a->kind == KIND_Q4 ? a->mins + n * blocks : NULL;
+    /* lane l of a pair belongs to block 2p + pick[l]: the 4-bit order, or halves for 8-bit */
+    const __m512i pick = a->kind == KIND_Q4
+        ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
+        : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 acc_min[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    int64_t pairs = blocks / 2;
+    for (int64_t b0 = 0; b0 < 2 * pairs; b0 += 16) {
+        int64_t count = 2 * pairs - b0 < 16 ? 2 * pairs - b0 : 16;
+        __mmask16 mask = (__mmask16)((1u << count) - 1);
+        __m512 w_scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d + b0));
+        __m512 scale[2], m = _mm512_setzero_ps();
+        if (mins != NULL) m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mins + b0));
+        for (int r = 0; r < rows; r++) {
+            scale[r] = _mm512_mul_ps(w_scale, _mm512_maskz_loadu_ps(mask, x16->scale + r * blocks + b0));
+            if (mins != NULL)
+                acc_min[r] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(mask, x16->sum + r * blocks + b0), acc_min[r]);
+        }
+        __m512i lanes = pick;
+        for (int64_t b = b0; b < b0 + count; b += 2) {
+            __m512i w = split_pair(a, n, b);
+            for (int r = 0; r < rows; r++) {
+                __m512 s = _mm512_cvtepi32_ps(split_sums(xs, a, w, r, b * BLOCK));
+                acc[r] = _mm512_fmadd_ps(s, _mm512_permutexvar_ps(lanes, scale[r]), acc[r]);
+            }
+            lanes = _mm512_add_epi32(lanes, _mm512_set1_epi32(2));
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float out = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(acc_min[r]);
+        if (blocks % 2) { /* the lone last block */
+            int64_t b = blocks - 1;
+            __m256 s = _mm256_cvtepi32_ps(split_block_sums(xs, a, split_block(a, n, b), r, b * BLOCK));
+            __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            float total = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+            out += half_to_float(d[b]) * x16->scale[r * blocks + b] * total;
+            if (mins != NULL) out += half_to_float(mins[b]) * x16->sum[r * blocks + b];
+        }
+        a->y[r * a->stride_y + n] = out;
+    }
+}
+
+static int split_matmul(const QMatmulArgs *a, const Int16Rows *x16) {
+    SplitRows xs;
+    xs.hi = malloc((size_t)(a->m * a->k) * 2);
+    xs.fix = a->kind == KIND_Q8 ? malloc((size_t)(a->m * (a->k / 4)) * sizeof(int32_t)) : NULL;
+    if (xs.hi == NULL || (a->kind == KIND_Q8 && xs.fix == NULL)) {
+        free(xs.hi);
+        free(xs.fix);
+        return 3;
+    }
+    xs.lo = xs.hi + a->m * a->k;
+    split_rows(a, x16, &xs);
+    if (a->m == 1) {
+#pragma omp parallel for schedule(static)
+        for (int64_t n = 0; n < a->n; n++) {
+            prefetch_row(a, n + PREFETCH_ROWS);
+            split_rows_dot(a, x16, &xs, n, 1);
+        }
+    } else {
+#pragma omp parallel for schedule(static)
+        for (int64_t n = 0; n < a->n; n++) {
+            prefetch_row(a, n + PREFETCH_ROWS);
+            split_rows_dot(a, x16, &xs, n, 2);
+        }
+    }
+    free(xs.hi);
+    free(xs.fix);
+    return 0;
+}
+#define HAVE_SPLIT_PATH 1
+#endif
+
 int gguf_matmul_int16(const QMatmulArgs *a) {
     if (a->k % BLOCK != 0) return 1;
     if (a->kind != KIND_Q4 && a->kind != KIND_Q8) return 2;
@@ -449,11 +629,28 @@ int gguf_matmul_int16(const QMatmulArgs *a) {
     }
     x16.sum = x16.scale + a->m * blocks;
     quantize_rows(a, &x16);
+    int code = 0;
+#if defined(HAVE_SPLIT_PATH)
+    if (a->m <= 2) {
+        code = split_matmul(a, &x16);
+    } else
+#endif
+    {
 #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < a->n; n++) int16_rows_dot(a, &x16, n);
+        for (int64_t n = 0; n < a->n; n++) int16_rows_dot(a, &x16, n);
+    }
     free(x16.q);
     free(x16.scale);
+    return code;
+}
+
+/* The rows up to which the integer path takes the split-byte form (0: no AVX-512 VNNI). */
+int gguf_split_max_rows(void) {
+#if defined(HAVE_SPLIT_PATH)
+    return 2;
+#else
     return 0;
+#endif
 }
 
 /* The rows up to which the integer path serves, from SmolLM2's weights on two cores:
@@ -476,6 +673,8 @@ int gguf_matmul_int16(const QMatmulArgs *a) {
 }
 
 int gguf_int16_max_rows(void) { return 0; } /* no integer path */
+
+int gguf_split_max_rows(void) { return 0; }
 #endif
 
 /* W as float32 [N, K] into out (for products of many rows, which a float GEMM does faster). */
