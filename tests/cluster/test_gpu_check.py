@@ -1,6 +1,7 @@
-"""The GPU check command runs end to end, CPU-sized (``--smoke``), and prints its table: the
-command a GPU session runs must not be the first time it runs. It runs here as on a bare GPU
-host without Ray: every process it starts has ``import ray`` fail."""
+"""The GPU check command runs end to end, CPU-sized (``--smoke``), and prints its table (the
+attention benchmark's own table is checked in its log): the command a GPU session runs must
+not be the first time it runs. It runs here as on a bare GPU host without Ray: every process
+it starts has ``import ray`` fail."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import kvcore
 from cluster.bench.gpu_check import log_name
 
 BLOCK_RAY = """
@@ -52,6 +54,18 @@ def test_gpu_check_smoke_runs_without_ray_and_prints_one_line_per_part(tmp_path)
     for name in parts:
         assert (output_dir / log_name(name)).exists()
         assert any(line.startswith(f"{name} ") for line in lines), name
+    assert_attention_bench_table((output_dir / log_name("attention")).read_text().splitlines())
+
+
+def assert_attention_bench_table(lines: list[str]) -> None:
+    """``kernels.attention.bench --small``: on the CPU every timed call was also checked
+    against the torch reference; timings are printed, never asserted."""
+    decode_rows = [line for line in lines if line.split()[-1:] and line.endswith("%")]
+    for layout in kvcore.valid_layout_names():
+        # decode: 2 block sizes x 1 batch x 2 contexts; prefill: 2 block sizes
+        assert sum(f"  {layout}  " in line for line in decode_rows) == 4, layout
+        assert sum(f"  {layout}  " in line and line.endswith("x") for line in lines) == 2, layout
+    assert "done on cpu" in lines[-3:]
 
 
 def test_mla_mamba_accuracy_names_a_kernel_that_leaves_its_output_unwritten(monkeypatch, capsys):

@@ -10,7 +10,7 @@ from tests.workers.engine import start_worker
 from tests.workers.harness import StepDriver
 from workers.model_source import DEFAULT_CONFIG
 from workers.protocol import StepResult
-from workers.sampler import Sampler
+from workers.sampler import Sampler, row_argmax
 from workers.sampling import SamplingParams
 from workers.worker import WorkerOptions
 
@@ -137,3 +137,16 @@ def test_logprobs_are_the_models_own_and_list_the_top_alternatives():
     top = sampled.logprobs["r0"].top
     assert [t for t, _ in top] == expected[0].topk(3).indices.tolist()
     assert sampled.logprobs["r2"].top == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_argmax_is_argmax_with_ties_nan_and_infinities(dtype):
+    nan, inf = float("nan"), float("inf")
+    rows = torch.tensor(
+        [[1.0, nan, 3.0, nan], [2.0, 2.0, 1.0, 0.0], [-inf] * 4, [0.0, inf, inf, 0.0]], dtype=dtype
+    )
+    wide = torch.randn(5, 49152, dtype=dtype)
+    wide[1, 100] = wide[1, 40000] = wide[1].max() + 1  # a tie far apart: the first one wins
+    for values in (rows, wide):
+        assert torch.equal(row_argmax(values), values.argmax(dim=-1))
+    assert row_argmax(rows).tolist() == [1, 0, 0, 1]
