@@ -120,9 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("workers.worker", "workers.cuda_graphs"):
         logging.getLogger(name).setLevel(logging.INFO)
     model, dtype = ("embedded:tiny", "float32") if args.smoke else ("embedded:20m", "bfloat16")
-    # Interpreted, a step of the tiny model takes ~0.3 s: the smoke keeps to ~16 per engine.
-    num_prompts, max_tokens = (2, 3) if args.smoke else (8, 32)
-    decode_steps = 2 if args.smoke else 64
+    num_prompts, max_tokens = (2, 6) if args.smoke else (8, 32)
+    decode_steps = 4 if args.smoke else 64
     settings = dict(model=model, dtype=dtype, port=0, max_model_len=512, max_num_seqs=16,
                     gpu_memory_utilization=0.3, kv_cache_memory_bytes=16 << 20)  # fmt: skip
     runs = []
