@@ -36,7 +36,7 @@ from cluster.scheduler.request import EngineRequest
 from cluster.scheduler.scheduler import ScheduledStep, Scheduler
 from cluster.stats import EngineStats
 from cluster.transport import StepTransport, WorkerLostError
-from workers.protocol import TokenLogprobs
+from workers.protocol import StepResult, TokenLogprobs
 from workers.sampling import SamplingParams
 from workers.tokenizer import Tokenizer
 
@@ -57,6 +57,7 @@ class SentStep:
     step: ScheduledStep
     task: asyncio.Future  # the transport's answer
     sent_at: float = field(default_factory=time.perf_counter)
+    ahead: bool = False  # sent while the step before it was still running
 
 
 @dataclass(frozen=True)
@@ -254,7 +255,7 @@ class AsyncEngine:
         if step.is_empty:
             return False
         task = asyncio.ensure_future(self.transport.execute(step.plan))
-        sent.append(SentStep(step, task))
+        sent.append(SentStep(step, task, ahead=ahead))
         return True
 
     async def _finish_step(self, sent_step: SentStep) -> None:
@@ -276,15 +277,22 @@ class AsyncEngine:
                 failed.append((request, exc))
         for request, exc in failed:
             self._fail_request(request, exc)
-        # A step's wall time runs from the previous step's answer (or its own sending, when
-        # the workers were idle) to its own answer; what the forward did not fill is overhead.
-        since = max(sent_step.sent_at, self._last_answer_at)
-        self.stats.record_step(now - since, result.forward_seconds)
+        self.stats.record_step(self._step_wall(sent_step, result, now), result.forward_seconds)
         self._last_answer_at = now
         if self.metrics is not None:
             self.metrics.observe_step(self.scheduler)
         if self.stats.wants_waste_sample():
             self.stats.record_waste(*self.scheduler.kv_slot_usage())
+
+    def _step_wall(self, sent_step: SentStep, result: StepResult, now: float) -> float:
+        """The time between rank 0's answers to the step before and this one, of which what
+        the forward does not fill is overhead. For a step sent ahead, rank 0's own clock
+        says it (this loop may read an answer late while it streams the last step's tokens,
+        but the workers are by then running the step after). Otherwise, from the previous
+        answer or this step's sending (when the workers were idle) to this answer here."""
+        if sent_step.ahead and result.step_seconds > 0.0:
+            return result.waited_seconds + result.step_seconds
+        return now - max(sent_step.sent_at, self._last_answer_at)
 
     def _deliver(self, request: EngineRequest) -> None:
         stream = self._streams.get(request.request_id)

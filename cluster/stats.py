@@ -1,8 +1,10 @@
 """Engine statistics users judge an engine by, kept cheaply while it runs.
 
-Step overhead is the wall time of a step minus rank 0's model forward: scheduling, the
-coordinator, plan transport, sampling, detokenizing. KV memory waste is the share of allocated
-token slots that hold no token, sampled every few steps and averaged over the run.
+Step overhead is the time between rank 0's answers to two steps minus its model forward:
+scheduling, the coordinator, plan transport, sampling, detokenizing, whatever keeps the
+workers from the next forward (``AsyncEngine._step_wall`` says whose clock measures it). KV
+memory waste is the share of allocated token slots that hold no token, sampled every few steps
+and averaged over the run.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """The tensor-parallel group of one worker process, and its links to the pipeline stages
 next to it.
 
-Collectives go through torch.distributed: NCCL on CUDA, gloo on CPU. The rendezvous address
+Collectives go through torch.distributed: NCCL on CUDA, gloo on CPU. CPU ranks that share a
+host sum, broadcast and gather through a shared memory region instead
+(``kernels.collectives.shm``; gloo's loopback TCP cost a decode step a millisecond per
+collective on two cores), with gloo for what the region does not take. The rendezvous address
 and port are chosen at run time by rank 0's host (``pick_rendezvous``), never hard-coded, so
 two engines on one host cannot collide. A process that never joins a group acts as TP=1.
 
@@ -14,11 +17,18 @@ pass through the controller.
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
+import uuid
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from kernels.collectives import shm
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,7 @@ class StageLinks:
 _group = TPGroup()
 _links = StageLinks()
 _sends: list = []  # (work, tensor) of the hidden states sent last, kept until received
+_shm: shm.ShmCollectives | None = None  # the TP group's region, where every rank maps it
 
 
 def get_tp_group() -> TPGroup:
@@ -78,8 +89,48 @@ def init_tp_group(
         if init_method is None:
             raise ValueError("A tensor-parallel group of more than one rank needs an init_method")
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+        if backend == "gloo":
+            _open_shared_memory(rank, world_size)
     _group = TPGroup(rank=rank, world_size=world_size, expert_parallel=expert_parallel)
     return _group
+
+
+def _host_identity() -> str:
+    """Equal on two processes exactly when they share a kernel, so its /dev/shm."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as file:
+            boot = file.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()} {boot}"
+
+
+def _open_shared_memory(rank: int, world_size: int) -> None:
+    """Map one region on every rank when all share a host; otherwise (or when any rank
+    cannot) gloo serves every collective. Rank 0 makes the file and removes it once all
+    have mapped it, so nothing outlives the processes."""
+    global _shm
+    directory = shm.shm_directory() if shm.library() is not None else None
+    path = None
+    if rank == 0 and directory is not None:
+        path = os.path.join(directory, f"kvray-tp-{uuid.uuid4().hex}")
+        shm.create_region(path, world_size)
+    offer = [path, _host_identity()]
+    dist.broadcast_object_list(offer, src=0)
+    mapped = None
+    if offer[0] is not None and offer[1] == _host_identity():
+        try:
+            mapped = shm.ShmCollectives(offer[0], rank, world_size)
+        except OSError as exc:
+            logger.warning("Rank %d cannot map the TP group's shared memory (%s)", rank, exc)
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, mapped is not None)
+    if rank == 0 and path is not None:
+        os.unlink(path)
+    if all(everyone):
+        _shm = mapped
+    elif mapped is not None:
+        mapped.close()
 
 
 def init_stage_groups(
@@ -122,6 +173,14 @@ def destroy_tp_group() -> None:
         dist.destroy_process_group()
     _group, _links = TPGroup(), StageLinks()
     _sends.clear()
+    _close_shared_memory()
+
+
+def _close_shared_memory() -> None:
+    global _shm
+    if _shm is not None:
+        _shm.close()
+        _shm = None
 
 
 def send_to_next_stage(hidden: torch.Tensor) -> None:
@@ -146,7 +205,10 @@ def recv_from_previous_stage(shape, dtype: torch.dtype, device: torch.device) ->
 def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     """Sum over the TP group, in place (a no-op at TP=1)."""
     if _group.world_size > 1:
-        dist.all_reduce(tensor, group=_group.group)
+        if _shm is not None and tensor.dtype == torch.float32 and _shm.serves(tensor):
+            _shm.all_reduce(tensor)
+        else:
+            dist.all_reduce(tensor, group=_group.group)
     return tensor
 
 
@@ -154,13 +216,20 @@ def all_gather_last_dim(tensor: torch.Tensor) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along the last dimension, in rank order."""
     if _group.world_size == 1:
         return tensor
-    parts = [torch.empty_like(tensor) for _ in range(_group.world_size)]
-    dist.all_gather(parts, tensor.contiguous(), group=_group.group)
+    tensor = tensor.contiguous()
+    if _shm is not None and _shm.serves(tensor) and _shm.fits(tensor):
+        parts = _shm.all_gather(tensor)
+    else:
+        parts = [torch.empty_like(tensor) for _ in range(_group.world_size)]
+        dist.all_gather(parts, tensor, group=_group.group)
     return torch.cat(parts, dim=-1)
 
 
 def broadcast_from_first(tensor: torch.Tensor) -> torch.Tensor:
     """Rank 0's ``tensor`` on every rank (sampled tokens, say)."""
     if _group.world_size > 1:
-        dist.broadcast(tensor, src=_group.first_global_rank, group=_group.group)
+        if _shm is not None and _shm.serves(tensor) and _shm.fits(tensor):
+            _shm.broadcast(tensor, root=0)
+        else:
+            dist.broadcast(tensor, src=_group.first_global_rank, group=_group.group)
     return tensor

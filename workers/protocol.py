@@ -84,6 +84,11 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True):
     # Seconds this rank spent in the model forward and its LM head (the rest of a step is
     # overhead).
     forward_seconds: float = 0.0
+    # Seconds this rank spent on the step, from taking its plan to replying, and the seconds
+    # it sat between its reply to the step before and taking this one (none when the plan
+    # was waiting): what passes between two replies is their sum.
+    step_seconds: float = 0.0
+    waited_seconds: float = 0.0
     # Constrained requests whose grammar refused the token sampled for them: they fail.
     refused: list[str] = []
     # Requests that came with drafts -> how many of them were accepted. Their new tokens

@@ -11,6 +11,7 @@ import logging
 import time
 from pathlib import Path
 
+import msgspec
 import torch
 from torch import nn
 
@@ -66,6 +67,7 @@ class Worker:
         self.model = None
         self._dtype: torch.dtype | None = None  # the weights' and hidden states', once loaded
         self.runner: ModelRunner | None = None
+        self._replied_at: float | None = None  # when this rank last answered a step
         self._raw_kv_cache: torch.Tensor | None = None
 
     # -- startup ---------------------------------------------------------------------------
@@ -234,7 +236,14 @@ class Worker:
     def execute(self, plan_bytes: bytes) -> bytes:
         if self.runner is None:
             raise RuntimeError("execute() before allocate_kv_cache()")
-        return encode(self.runner.execute(decode(plan_bytes, StepPlan)))
+        started = time.perf_counter()
+        result = self.runner.execute(decode(plan_bytes, StepPlan))
+        waited = 0.0 if self._replied_at is None else max(0.0, started - self._replied_at)
+        self._replied_at = time.perf_counter()
+        timed = msgspec.structs.replace(
+            result, step_seconds=self._replied_at - started, waited_seconds=waited
+        )
+        return encode(timed)
 
     def run_stage(
         self,

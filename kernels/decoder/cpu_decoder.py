@@ -12,6 +12,8 @@ import functools
 import logging
 from pathlib import Path
 
+import torch
+
 from kernels.attention.cpu_attention import DecodeArgs, decode_kernel
 from kernels.c_build import build_library
 from kernels.quant import cpu_matmul
@@ -114,7 +116,26 @@ def decoder_library():
     ]
     library.gated_silu.argtypes = [ctypes.POINTER(DecoderModel), ctypes.POINTER(DecoderStep)]
     library.residual_norm.restype = library.gated_silu.restype = ctypes.c_int
+    library.gated_silu_rows.argtypes = [_ptr, _ptr, ctypes.c_int64, ctypes.c_int64]
+    library.gated_silu_rows.restype = ctypes.c_int
     return library
+
+
+def gated_silu(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """SiLU(gate) * up of float32 rows laid out ``[gate | up]`` on a CPU, in one pass of the C
+    kernel; None where it does not serve (another device or dtype, a strided tensor, no
+    library here)."""
+    if gate_up.device.type != "cpu" or gate_up.dtype != torch.float32:
+        return None
+    if not gate_up.is_contiguous() or gate_up.shape[-1] % 2 or gate_up.requires_grad:
+        return None
+    library = decoder_library()
+    if library is None:
+        return None
+    inter = gate_up.shape[-1] // 2
+    out = gate_up.new_empty((*gate_up.shape[:-1], inter))
+    library.gated_silu_rows(gate_up.data_ptr(), out.data_ptr(), out.numel() // inter, inter)
+    return out
 
 
 def entry_point(function) -> int:

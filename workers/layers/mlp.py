@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.activation import activate
+from kernels.activation import activate, gated
 from workers.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -44,5 +44,4 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             return self.down_proj(activate(self.up_proj(x), self.activation))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(activate(gate, self.activation) * up)
+        return self.down_proj(gated(self.gate_up_proj(x), self.activation))

@@ -1,0 +1,1 @@
+"""Collectives between tensor-parallel ranks that torch.distributed's backends serve slowly."""
