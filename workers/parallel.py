@@ -114,7 +114,11 @@ def _open_shared_memory(rank: int, world_size: int) -> None:
     path = None
     if rank == 0 and directory is not None:
         path = os.path.join(directory, f"kvray-tp-{uuid.uuid4().hex}")
-        shm.create_region(path, world_size)
+        try:
+            shm.create_region(path, world_size)
+        except OSError as exc:
+            logger.warning("No shared memory for the TP group (%s); gloo serves it", exc)
+            path = None
     offer = [path, _host_identity()]
     dist.broadcast_object_list(offer, src=0)
     mapped = None

@@ -57,9 +57,17 @@ def region_bytes(world_size: int, slot_bytes: int = SLOT_BYTES) -> int:
 
 
 def create_region(path: str, world_size: int, slot_bytes: int = SLOT_BYTES) -> None:
-    """The zeroed file every rank maps (rank 0 makes it; the flags start at 0)."""
-    with open(path, "xb") as file:
-        file.truncate(region_bytes(world_size, slot_bytes))
+    """The zeroed file every rank maps (rank 0 makes it; the flags start at 0), readable by
+    this user alone. Its pages are reserved now: a full /dev/shm raises OSError here, where a
+    sparse file would kill a rank with SIGBUS at its first collective."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, region_bytes(world_size, slot_bytes))
+    except OSError:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
 
 
 class ShmCollectives:

@@ -5,11 +5,14 @@ host."""
 
 from __future__ import annotations
 
+import errno
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 
+from kernels.collectives import shm
 from tests.workers.engine import run_in_processes
 from workers import parallel
 
@@ -48,6 +51,16 @@ def _on_other_hosts(rank: int, address: str, world: int) -> dict:
     return _collectives(rank, address, world)
 
 
+def _without_room(rank: int, address: str, world: int) -> dict:
+    """/dev/shm is full: rank 0 cannot reserve the region, and gloo serves every rank."""
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    shm.create_region = full
+    return _collectives(rank, address, world)
+
+
 def _check(results: dict, world: int) -> None:
     for rank, got in results.items():
         for name in ("step", "prefill"):
@@ -79,7 +92,8 @@ def test_three_ranks_sum_in_rank_order_like_each_other():
         assert got["broadcast"] == list(range(8))
 
 
-def test_ranks_on_different_hosts_keep_gloo():
-    results = run_in_processes(_on_other_hosts, 2, 2, timeout=300)
+@pytest.mark.parametrize("target", [_on_other_hosts, _without_room])
+def test_ranks_that_cannot_share_keep_gloo(target):
+    results = run_in_processes(target, 2, 2, timeout=300)
     assert not any(got["shared"] for got in results.values())
     _check(results, 2)
