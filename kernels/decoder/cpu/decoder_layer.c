@@ -244,7 +244,10 @@ int attention_block(const DecoderModel *m, const DecoderLayer *l, DecoderStep *s
 #if defined(__AVX512F__)
 /* exp(x) for any float x: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' degree-6
  * polynomial (within 2 ulp of expf), times 2^n. Clamped to [-103, 88.7]: below, expf is 0
- * or a denormal and this about 1e-45; above, SiLU's 1 + exp(-x) only needs to be huge. */
+ * or a denormal and this about 1e-45; above, SiLU's 1 + exp(-x) only needs to be huge.
+ * paged_decode.c's exp_ps is the same polynomial clamped below only; each C file is a library
+ * of its own, built and cached by kernels/c_build.py from that one source, so the lines are
+ * repeated rather than shared through a header the cache key would not see. */
 static inline __m512 exp_any(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.0f)), _mm512_set1_ps(88.7f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
