@@ -116,6 +116,13 @@ def decoder_library():
     ]
     library.gated_silu.argtypes = [ctypes.POINTER(DecoderModel), ctypes.POINTER(DecoderStep)]
     library.residual_norm.restype = library.gated_silu.restype = ctypes.c_int
+    library.decoder_layers.argtypes = [
+        ctypes.POINTER(DecoderModel),
+        ctypes.POINTER(DecoderLayer),
+        ctypes.c_int64,
+        ctypes.POINTER(DecoderStep),
+    ]
+    library.decoder_layers.restype = ctypes.c_int
     library.gated_silu_rows.argtypes = [_ptr, _ptr, ctypes.c_int64, ctypes.c_int64]
     library.gated_silu_rows.restype = ctypes.c_int
     return library

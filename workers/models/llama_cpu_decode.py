@@ -42,7 +42,7 @@ from kernels.quant.gguf_blocks import QuantizedMatrix
 from workers.forward_context import get_forward_context
 from workers.layers.cpu_matmul import linear
 from workers.layers.mlp import MLP
-from workers.parallel import all_reduce
+from workers.parallel import all_reduce, get_tp_group
 
 FUSED_MAX_ROWS = cpu_matmul.KERNEL_MAX_ROWS  # past it the modules' prefill-sized matmuls win
 GLUE_MAX_ROWS = 32  # a step with more tokens than requests, past it the prefill kernel wins
@@ -107,6 +107,7 @@ class CpuDecodePath:
         self.decoder_model = self._decoder_model(layers[0].input_layernorm.eps)
         self._caches: tuple | None = None  # the cache views the layer structures point into
         self._layers: list[cpu_decoder.DecoderLayer] = []
+        self._layer_array = None  # the same structures in one C array (decoder_layers)
         self._buffers: _Buffers | None = None
         self.num_steps = 0  # steps taken here (the tests check it moves)
 
@@ -179,6 +180,10 @@ class CpuDecodePath:
 
     def _fused_layers(self, model, step: cpu_decoder.DecoderStep, buffers: _Buffers) -> None:
         step_ref, delta = ctypes.byref(step), buffers.delta[: step.rows]
+        if get_tp_group().world_size == 1:  # nothing to all-reduce: every layer in one call
+            layers = self._layer_array
+            _check(self.library.decoder_layers(model, layers, len(layers), step_ref), "layers")
+            return
         for layer in self._layers:
             layer_ref = ctypes.byref(layer)
             _check(self.library.attention_block(model, layer_ref, step_ref), "attention")
@@ -288,6 +293,7 @@ class CpuDecodePath:
             return False
         pairs = zip(layers, caches, strict=True)
         self._layers = [self._layer_struct(layer, cache, self.fused) for layer, cache in pairs]
+        self._layer_array = (cpu_decoder.DecoderLayer * len(self._layers))(*self._layers)
         self._caches = caches
         return True
 
