@@ -106,8 +106,9 @@ class CpuDecodePath:
         self.projections = [_Projections.of(layer) for layer in layers]
         self.decoder_model = self._decoder_model(layers[0].input_layernorm.eps)
         self._caches: tuple | None = None  # the cache views the layer structures point into
-        self._layers: list[cpu_decoder.DecoderLayer] = []
-        self._layer_array = None  # the same structures in one C array (decoder_layers)
+        # One C array of the layer structures: iterated layer by layer, or handed whole to
+        # ``decoder_layers``.
+        self._layers = (cpu_decoder.DecoderLayer * 0)()
         self._buffers: _Buffers | None = None
         self.num_steps = 0  # steps taken here (the tests check it moves)
 
@@ -179,12 +180,12 @@ class CpuDecodePath:
         return out
 
     def _fused_layers(self, model, step: cpu_decoder.DecoderStep, buffers: _Buffers) -> None:
-        step_ref, delta = ctypes.byref(step), buffers.delta[: step.rows]
+        step_ref, layers = ctypes.byref(step), self._layers
         if get_tp_group().world_size == 1:  # nothing to all-reduce: every layer in one call
-            layers = self._layer_array
             _check(self.library.decoder_layers(model, layers, len(layers), step_ref), "layers")
             return
-        for layer in self._layers:
+        delta = buffers.delta[: step.rows]
+        for layer in layers:
             layer_ref = ctypes.byref(layer)
             _check(self.library.attention_block(model, layer_ref, step_ref), "attention")
             all_reduce(delta)
@@ -292,8 +293,8 @@ class CpuDecodePath:
         if any(c.shape[1] < self.num_kv_heads or c.shape[3] < 2 * self.head_size for c in caches):
             return False
         pairs = zip(layers, caches, strict=True)
-        self._layers = [self._layer_struct(layer, cache, self.fused) for layer, cache in pairs]
-        self._layer_array = (cpu_decoder.DecoderLayer * len(self._layers))(*self._layers)
+        structs = [self._layer_struct(layer, cache, self.fused) for layer, cache in pairs]
+        self._layers = (cpu_decoder.DecoderLayer * len(structs))(*structs)
         self._caches = caches
         return True
 
