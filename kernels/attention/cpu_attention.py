@@ -174,7 +174,9 @@ def _work_split(
     never mistaken for the last step's). Made in Python: a decode batch's few lengths cost
     less in a loop than in torch ops, which run slowly right after a forward."""
     lengths = seq_lens.tolist()
-    num_threads = max(1, min(torch.get_num_threads(), MAX_THREADS, len(lengths) * num_kv_heads))
+    # Every thread, however few the items: under four items a thread, the kernel splits each
+    # item's keys over all of them.
+    num_threads = max(1, min(torch.get_num_threads(), MAX_THREADS))
     key = (num_kv_heads, sliding_window, num_threads, lengths)
     cached = _last_split[0]
     if cached is not None and cached[0] == key:

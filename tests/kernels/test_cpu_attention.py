@@ -19,6 +19,7 @@ from kernels.attention.torch_backend import TorchAttentionBackend
 from tests.kernels.cases import (
     BATCHES,
     WINDOW,
+    Request,
     blocks_needed,
     dense_outputs,
     make_batch,
@@ -94,6 +95,54 @@ def test_decode_at_model_head_sizes_matches_dense_attention(head_size):
                 error = relative_error(out, dense_outputs(batch, params))
                 if error > TOLERANCES["float32"]:
                     failures.append(f"{group_name}/{batch_name}/{feature}: {error:.2e}")
+    assert failures == []
+
+
+THREAD_BATCHES = {
+    "one key": [Request(query_len=1, seq_len=1)],
+    "two keys": [Request(query_len=1, seq_len=2)],
+    "one long": [Request(query_len=1, seq_len=70)],
+    "twelve": [Request(query_len=1, seq_len=3 + 7 * i) for i in range(12)],
+}
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 3, 4])
+def test_decode_over_any_number_of_threads_matches_dense_attention(num_threads):
+    """Under four items (request, KV head) a thread, the kernel splits each item's keys over
+    every thread and merges their softmax states after; from four on each thread takes whole
+    items. Both ways at each thread count: fewer keys than threads (empty parts), one long
+    request, and twelve requests; the sink counted once, the window cut inside a part;
+    float32 (the AVX-512 loop) and float16 (the portable one)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    backend = TorchAttentionBackend()
+    generator = torch.Generator().manual_seed(num_threads)
+    failures = []
+    try:
+        for dtype_name in ("float32", "float16"):
+            for group_name, (num_q_heads, num_kv_heads) in HEAD_GROUPS.items():
+                spec = kvcore.FullAttentionSpec(
+                    block_size=16, num_kv_heads=num_kv_heads, head_size=64, dtype=dtype_name
+                )
+                num_blocks = max(blocks_needed(r, 16) for r in THREAD_BATCHES.values()) + 2
+                cache = make_cache("LBHNC", spec, num_blocks)
+                for batch_name, requests in THREAD_BATCHES.items():
+                    batch = make_batch(cache, requests, num_q_heads, generator)
+                    for feature in ("plain", "window", "sinks"):
+                        extra = features(num_q_heads)[feature]
+                        params = AttentionParams(scale=0.125, num_kv_heads=num_kv_heads, **extra)
+                        shape = (batch.query.shape[0], num_q_heads, 64)
+                        unwritten = poisoned(shape, batch.query.dtype)
+                        out = backend.attend(
+                            batch.query, cache.view, batch.metadata, params, unwritten
+                        )
+                        error = relative_error(out, dense_outputs(batch, params))
+                        if error > TOLERANCES[dtype_name]:
+                            failures.append(
+                                f"{dtype_name}/{group_name}/{batch_name}/{feature}: {error:.2e}"
+                            )
+    finally:
+        torch.set_num_threads(previous)
     assert failures == []
 
 

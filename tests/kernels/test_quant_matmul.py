@@ -75,9 +75,10 @@ def test_the_integer_path_is_the_product_of_int16_activations(
     of the rounded activations, and those of x itself within the rounding's bound (half a step
     per value times the weight's magnitude). One or two rows go one at a time (split into
     bytes with AVX-512 VNNI), more in tiles of four (5 rows: a tile and a lone row). 288
-    columns are a group of eight blocks and one left over (four pairs and a lone block when
-    split); 1120 are 35 blocks, past the sixteen blocks whose scales the split form makes at
-    once."""
+    columns are a group of eight blocks and one left over (split: 4-bit two groups of four and
+    a lone block through masks, 8-bit four pairs and a lone block); 1120 are 35 blocks, past
+    the sixteen blocks whose scales the split form makes at once (4-bit: a last group of
+    three)."""
     monkeypatch.setattr(cpu_matmul, "INT16_MAX_ROWS", KERNEL_MAX_ROWS)
     matrix, weight = gguf_matrix(type_name, 75, cols, seed=7 + num_rows)
     x = torch.randn(num_rows, cols, generator=torch.Generator().manual_seed(num_rows)) * 3

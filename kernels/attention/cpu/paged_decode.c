@@ -14,6 +14,7 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -151,19 +152,22 @@ static inline void prefetch_cell(const DecodeArgs *a, int64_t cell) {
     for (int64_t offset = 0; offset < span; offset += 64) __builtin_prefetch(first + offset);
 }
 
-/* What one (request, KV head) item reads and writes. */
+/* What one (request, KV head) item reads and writes: all its keys, or one part of them. */
 typedef struct {
     int kv_head, group, seq_len;
     int first_key;          /* past the sliding window's reach, keys are not read */
+    int end_key;            /* keys first_key .. end_key - 1 are this item's (or part's) */
+    int with_sink;          /* the part whose softmax starts from the sink */
     const float *query;     /* the request's query row, every head */
     float *out;             /* its output row */
     const int32_t *blocks;  /* its block table row */
+    float *partial;         /* NULL: write out; else [max, sum, acc] for a later merge */
 } Item;
 
 static inline Item item_at(const DecodeArgs *a, int64_t item) {
     const int request = (int)(item / a->num_kv_heads);
     Item it = {(int)(item % a->num_kv_heads), a->num_q_heads / a->num_kv_heads,
-               a->seq_lens[request], 0, NULL, NULL, NULL};
+               a->seq_lens[request], 0, a->seq_lens[request], 1, NULL, NULL, NULL, NULL};
     const int position = it.seq_len - 1;  /* the query's own position */
     if (a->sliding_window > 0 && position - a->sliding_window + 1 > 0) {
         it.first_key = position - a->sliding_window + 1;
@@ -175,20 +179,39 @@ static inline Item item_at(const DecodeArgs *a, int64_t item) {
     return it;
 }
 
+/* Part `part` of `parts` equal runs of an item's keys, its softmax state into `partial`. */
+static inline Item item_part(const DecodeArgs *a, int64_t item, int part, int parts,
+                             float *partial) {
+    Item it = item_at(a, item);
+    const int64_t keys = it.end_key - it.first_key, first = it.first_key;
+    it.first_key = (int)(first + keys * part / parts);
+    it.end_key = (int)(first + keys * (part + 1) / parts);
+    it.with_sink = part == 0;
+    it.partial = partial;
+    return it;
+}
+
 /* Each query head's softmax starts from its sink (a logit with no value) or from nothing. */
 static inline void start_softmax(const DecodeArgs *a, const Item *it, float *row_max,
                                  float *row_sum, float *acc) {
     for (int g = 0; g < it->group; g++) {
         const int q_head = it->kv_head * it->group + g;
-        row_max[g] = a->sinks ? a->sinks[q_head] : -FLT_MAX;  /* finite: exp of it is 0 */
-        row_sum[g] = a->sinks ? 1.0f : 0.0f;
+        const int sink = a->sinks != NULL && it->with_sink;
+        row_max[g] = sink ? a->sinks[q_head] : -FLT_MAX;  /* finite: exp of it is 0 */
+        row_sum[g] = sink ? 1.0f : 0.0f;
     }
     memset(acc, 0, sizeof(float) * (size_t)(it->group * a->head_size_v));
 }
 
-/* out = acc / sum for each query head of the item. */
-static inline void write_outputs(const Item *it, const float *acc, const float *row_sum,
-                                 int head_v) {
+/* out = acc / sum for each query head of the item; or, for a part, its state as it stands. */
+static inline void write_outputs(const Item *it, const float *acc, const float *row_max,
+                                 const float *row_sum, int head_v) {
+    if (it->partial != NULL) {
+        memcpy(it->partial, row_max, sizeof(float) * (size_t)it->group);
+        memcpy(it->partial + it->group, row_sum, sizeof(float) * (size_t)it->group);
+        memcpy(it->partial + 2 * it->group, acc, sizeof(float) * (size_t)(it->group * head_v));
+        return;
+    }
     for (int g = 0; g < it->group; g++) {
         float *dst = it->out + (int64_t)(it->kv_head * it->group + g) * head_v;
         const float inverse = row_sum[g] > 0.0f ? 1.0f / row_sum[g] : 0.0f;
@@ -198,9 +221,8 @@ static inline void write_outputs(const Item *it, const float *acc, const float *
     }
 }
 
-static void decode_item(const DecodeArgs *a, int64_t item) {
-    const Item it = item_at(a, item);
-    const int kv_head = it.kv_head, group = it.group, seq_len = it.seq_len;
+static void decode_item(const DecodeArgs *a, const Item it) {
+    const int kv_head = it.kv_head, group = it.group, seq_len = it.end_key;
     const int head = a->head_size, head_v = a->head_size_v;
     const float *query = it.query;
     const int32_t *blocks = it.blocks;
@@ -257,7 +279,7 @@ static void decode_item(const DecodeArgs *a, int64_t item) {
         count = next_count;
         first_cell = next_cell;
     }
-    write_outputs(&it, acc, row_sum, head_v);
+    write_outputs(&it, acc, row_max, row_sum, head_v);
 }
 
 #if defined(__AVX512F__)
@@ -327,9 +349,8 @@ static inline void accumulate16(float *acc, float rescale, const float *weight,
     }
 }
 
-static void decode_item_avx512(const DecodeArgs *a, int64_t item) {
-    const Item it = item_at(a, item);
-    const int kv_head = it.kv_head, group = it.group, seq_len = it.seq_len;
+static void decode_item_avx512(const DecodeArgs *a, const Item it) {
+    const int kv_head = it.kv_head, group = it.group, seq_len = it.end_key;
     const int head = a->head_size;
     float row_max[MAX_GROUP], row_sum[MAX_GROUP];
     float acc[MAX_GROUP * MAX_HEAD], logit[CHUNK];
@@ -359,28 +380,91 @@ static void decode_item_avx512(const DecodeArgs *a, int64_t item) {
         count = next_count;
         first_cell = next_cell;
     }
-    write_outputs(&it, acc, row_sum, head);
+    write_outputs(&it, acc, row_max, row_sum, head);
 }
 #endif
 
-static void decode_range(const DecodeArgs *a) {
+static void decode_one(const DecodeArgs *a, const Item it) {
 #if defined(__AVX512F__)
     if (fits_avx512(a)) {
-        for (int64_t i = a->begin; i < a->end; i++) decode_item_avx512(a, a->items[i]);
+        decode_item_avx512(a, it);
         return;
     }
 #endif
-    for (int64_t i = a->begin; i < a->end; i++) {
-        decode_item(a, a->items[i]);
+    decode_item(a, it);
+}
+
+static void decode_range(const DecodeArgs *a) {
+    for (int64_t i = a->begin; i < a->end; i++) decode_one(a, item_at(a, a->items[i]));
+}
+
+/* Floats of one part's state: each query head's maximum and sum, then its accumulator. */
+static inline int64_t partial_size(const DecodeArgs *a) {
+    const int group = a->num_q_heads / a->num_kv_heads;
+    return (int64_t)group * (2 + a->head_size_v);
+}
+
+/* An item's output from its parts' states: each part's sum and accumulator weighed by
+ * exp(its maximum - the largest), added in part order. */
+static void merge_parts(const DecodeArgs *a, int64_t item, const float *partials, int parts) {
+    const Item it = item_at(a, item);
+    const int group = it.group, head_v = a->head_size_v;
+    const int64_t size = partial_size(a);
+    for (int g = 0; g < group; g++) {
+        float largest = -FLT_MAX, total = 0.0f, weight[MAX_THREADS];
+        for (int t = 0; t < parts; t++) {
+            const float m = partials[t * size + g];
+            largest = m > largest ? m : largest;
+        }
+        for (int t = 0; t < parts; t++) {
+            weight[t] = expf(partials[t * size + g] - largest);
+            total += partials[t * size + group + g] * weight[t];
+        }
+        const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+        float *dst = it.out + (int64_t)(it.kv_head * group + g) * head_v;
+        for (int d = 0; d < head_v; d++) {
+            float sum = 0.0f;
+            for (int t = 0; t < parts; t++)
+                sum += partials[t * size + 2 * group + g * head_v + d] * weight[t];
+            dst[d] = sum * inverse;
+        }
     }
 }
 
-/* Returns 0, or -1 when a size is beyond the stack accumulators. `bounds` holds
- * num_threads + 1 item offsets that split the work. */
+/* Few items for the threads (a decode batch of one or two requests over a few KV heads):
+ * every thread takes its share of every item's keys, and the parts' softmax states are
+ * merged after. Whole items over two threads left one with two of SmolLM2's three heads and
+ * the other with one. Returns 0, or 3 when the states find no memory. */
+static int decode_in_parts(const DecodeArgs *args, int64_t num_items, int num_threads) {
+    const int64_t size = partial_size(args);
+    float *partials = malloc(sizeof(float) * (size_t)(num_items * num_threads * size));
+    if (partials == NULL) return 3;
+#pragma omp parallel for schedule(static, 1) num_threads(num_threads)
+    for (int t = 0; t < num_threads; t++) {
+        for (int64_t i = 0; i < num_items; i++) {
+            float *partial = partials + (i * num_threads + t) * size;
+            decode_one(args, item_part(args, args->items[i], t, num_threads, partial));
+        }
+    }
+    for (int64_t i = 0; i < num_items; i++)
+        merge_parts(args, args->items[i], partials + i * num_threads * size, num_threads);
+    free(partials);
+    return 0;
+}
+
+/* Returns 0, -1 when a size is beyond the stack accumulators, or 3 when memory runs out.
+ * `bounds` holds num_threads + 1 item offsets that split the work: whole items to each
+ * thread, unless there are fewer than four items a thread. */
 int paged_decode_attention(DecodeArgs *args, const int64_t *bounds, int num_threads) {
     if (args->head_size > MAX_HEAD || args->head_size_v > MAX_HEAD
         || args->num_q_heads / args->num_kv_heads > MAX_GROUP || num_threads > MAX_THREADS) {
         return -1;
+    }
+    const int64_t num_items = bounds[num_threads] - bounds[0];
+    if (num_threads > 1 && num_items < 4 * num_threads) {
+        DecodeArgs all = *args;
+        all.items = args->items + bounds[0];
+        return decode_in_parts(&all, num_items, num_threads);
     }
     DecodeArgs parts[MAX_THREADS];
     for (int t = 0; t < num_threads; t++) {
