@@ -13,10 +13,8 @@ Where there is no compiler, ``decode_kernel()`` is None and callers use the torc
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import functools
-import itertools
 import logging
 import subprocess
 from pathlib import Path
@@ -60,8 +58,6 @@ class DecodeArgs(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("softcap", ctypes.c_float),
         ("items", ctypes.c_void_p),
-        ("begin", ctypes.c_int64),
-        ("end", ctypes.c_int64),
     ]
 
 
@@ -74,7 +70,7 @@ def decode_kernel():
         logger.warning("CPU decode kernel unavailable (%s); using the torch path", exc)
         return None
     function = library.paged_decode_attention
-    function.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_void_p, ctypes.c_int]
+    function.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int64, ctypes.c_int]
     function.restype = ctypes.c_int
     return function
 
@@ -121,7 +117,7 @@ def paged_decode_attention(
     num_reqs = seq_lens.shape[0]
     if num_reqs == 0:
         return
-    items, bounds, num_threads = _work_split(seq_lens, params.num_kv_heads, params.sliding_window)
+    items, num_threads = work_items(num_reqs, params.num_kv_heads)
     sinks = None
     if params.sinks is not None:
         sinks = params.sinks.to(device="cpu", dtype=torch.float32).contiguous()
@@ -153,49 +149,26 @@ def paged_decode_attention(
     )
     _check_host_memory(
         query=query, out=out, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens,
-        token_of=token_of, items=items, bounds=bounds,
+        token_of=token_of, items=items,
     )  # fmt: skip
     if sinks is not None:
         _check_host_memory(sinks=sinks)
-    if kernel(ctypes.byref(args), bounds.data_ptr(), num_threads) != 0:
+    if kernel(ctypes.byref(args), items.shape[0], num_threads) != 0:
         raise ValueError("the CPU decode kernel refused these sizes")
 
 
-_last_split: list = [None]  # (key, split) of the latest step's layers
+def work_items(num_requests: int, num_kv_heads: int) -> tuple[torch.Tensor, int]:
+    """The kernel's items (request, KV head), and the threads it spreads them over: every
+    thread torch has, since the kernel splits long items' keys and one request keeps them
+    all busy."""
+    return _items(num_requests * num_kv_heads), max(1, min(torch.get_num_threads(), MAX_THREADS))
 
 
-def _work_split(
-    seq_lens: torch.Tensor, num_kv_heads: int, sliding_window: int | None
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The items (request, KV head) and their split over threads by how many keys each
-    reads. Every layer of a step passes the same sequence lengths, so the split is made once
-    per step (it was ten small ops per layer): it is reused while the lengths and settings
-    are those of the split before (compared by value, so a buffer rewritten in place is
-    never mistaken for the last step's). Made in Python: a decode batch's few lengths cost
-    less in a loop than in torch ops, which run slowly right after a forward."""
-    lengths = seq_lens.tolist()
-    # Every thread, however few the items: under four items a thread, the kernel splits each
-    # item's keys over all of them.
-    num_threads = max(1, min(torch.get_num_threads(), MAX_THREADS))
-    key = (num_kv_heads, sliding_window, num_threads, lengths)
-    cached = _last_split[0]
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    work = [n if sliding_window is None else min(n, sliding_window) for n in lengths]
-    work = [n for n in work for _ in range(num_kv_heads)]
-    items = torch.arange(len(work), dtype=torch.int64, device="cpu")
-    split = (items, _split(work, num_threads), num_threads)
-    _last_split[0] = (key, split)
-    return split
-
-
-def _split(work: list[int], num_parts: int) -> torch.Tensor:
-    """``num_parts + 1`` offsets into ``work`` that cut it into parts of about equal sums:
-    part k ends after the last item whose running sum is at most k / num_parts of the
-    total."""
-    totals = list(itertools.accumulate(work))
-    inner = [bisect.bisect_right(totals, k * totals[-1] // num_parts) for k in range(1, num_parts)]
-    return torch.tensor([0, *inner, len(work)], dtype=torch.int64, device="cpu")
+@functools.lru_cache(maxsize=64)
+def _items(count: int) -> torch.Tensor:
+    """0 .. count - 1, made once per count: every layer of a step, and most steps, ask for the
+    same (the kernel only reads it)."""
+    return torch.arange(count, dtype=torch.int64, device="cpu")
 
 
 def _check_host_memory(**tensors: torch.Tensor) -> None:

@@ -84,7 +84,7 @@ class DecoderStep(ctypes.Structure):
         ("sin", _ptr),
         ("slots", _ptr),
         ("attention", DecodeArgs),
-        ("bounds", _ptr),
+        ("num_items", ctypes.c_int64),
         ("num_threads", ctypes.c_int),
     ]
 

@@ -14,11 +14,13 @@ import torch
 
 import kvcore
 from kernels.attention import cpu_attention
+from kernels.attention.metadata import build_attention_metadata
 from kernels.attention.params import AttentionParams
 from kernels.attention.torch_backend import TorchAttentionBackend
 from tests.kernels.cases import (
     BATCHES,
     WINDOW,
+    Batch,
     Request,
     blocks_needed,
     dense_outputs,
@@ -108,11 +110,11 @@ THREAD_BATCHES = {
 
 @pytest.mark.parametrize("num_threads", [1, 2, 3, 4])
 def test_decode_over_any_number_of_threads_matches_dense_attention(num_threads):
-    """Under four items (request, KV head) a thread, the kernel splits each item's keys over
-    every thread and merges their softmax states after; from four on each thread takes whole
-    items. Both ways at each thread count: fewer keys than threads (empty parts), one long
-    request, and twelve requests; the sink counted once, the window cut inside a part;
-    float32 (the AVX-512 loop) and float16 (the portable one)."""
+    """An item (request, KV head) of 32 keys or more goes into parts, up to one a thread,
+    whose softmax states are merged after; shorter ones stay whole. At each thread count:
+    fewer keys than threads, one long request, and twelve of mixed lengths; the sink counted
+    once, the window cut inside a part; float32 (the AVX-512 loop) and float16 (the portable
+    one)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     backend = TorchAttentionBackend()
@@ -189,16 +191,36 @@ def test_the_built_kernel_is_reused_from_the_cache(monkeypatch, tmp_path):
     assert first.parent == tmp_path / "kvray"
 
 
-def test_the_thread_split_is_made_once_per_step_and_never_reused_for_other_lengths():
-    _work_split = cpu_attention._work_split
-    seq_lens = torch.tensor([5, 9, 300], dtype=torch.int32)
-    first = _work_split(seq_lens, 2, None)
-    # Another layer of the step: the same lengths, the same split.
-    assert _work_split(seq_lens.clone(), 2, None) is first
-    # The same buffer written in place for the next step, or other settings: a new split.
-    seq_lens[0] = 400
-    moved = _work_split(seq_lens, 2, None)
-    assert moved is not first and moved[1][-1] == 6
-    assert _work_split(seq_lens, 2, 64) is not moved
-    items, bounds, num_threads = _work_split(seq_lens, 4, None)
-    assert items.tolist() == list(range(12)) and len(bounds) == num_threads + 1
+def batch_of(batch: Batch, indices: list[int]) -> Batch:
+    """The decode requests ``indices`` of ``batch`` as a batch of their own, over the same
+    cache blocks."""
+    seq_lens = [batch.metadata.seq_lens_cpu[i] for i in indices]
+    tables = batch.metadata.block_table[indices].contiguous()
+    metadata = build_attention_metadata([1] * len(indices), seq_lens, tables, 16)
+    keys = [batch.keys[i] for i in indices]
+    values = [batch.values[i] for i in indices]
+    return Batch(metadata, batch.query[indices].contiguous(), keys, values)
+
+
+def test_a_request_reads_the_same_attention_whatever_runs_beside_it():
+    """How the kernel splits an item's keys depends on the item alone: one request's output
+    is bitwise the same decoded alone, beside eleven others, and as the middle row of a
+    batch (a speculative verification's rows, a plain decode step and a full batch agree)."""
+    backend = TorchAttentionBackend()
+    spec = kvcore.FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype="float32")
+    requests = [Request(query_len=1, seq_len=40 + 13 * i) for i in range(12)]
+    cache = make_cache("LBHNC", spec, blocks_needed(requests, 16) + 2)
+    generator = torch.Generator().manual_seed(5)
+    batch = make_batch(cache, requests, 9, generator)
+    params = AttentionParams(scale=0.125, num_kv_heads=3)
+    together = backend.attend(batch.query, cache.view, batch.metadata, params, poisoned(
+        (12, 9, 64), torch.float32))  # fmt: skip
+    for index in (0, 5, 11):
+        alone = batch_of(batch, [index])
+        out = backend.attend(alone.query, cache.view, alone.metadata, params, poisoned(
+            (1, 9, 64), torch.float32))  # fmt: skip
+        assert torch.equal(out[0], together[index])
+    three = batch_of(batch, [4, 5, 6])
+    out = backend.attend(three.query, cache.view, three.metadata, params, poisoned(
+        (3, 9, 64), torch.float32))  # fmt: skip
+    assert torch.equal(out[1], together[5])

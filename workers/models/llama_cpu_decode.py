@@ -33,7 +33,7 @@ from kernels.attention.cpu_attention import (
     MAX_GROUP,
     MAX_HEAD,
     DecodeArgs,
-    _work_split,
+    work_items,
 )
 from kernels.attention.torch_backend import TorchAttentionBackend
 from kernels.decoder import cpu_decoder
@@ -249,7 +249,7 @@ class CpuDecodePath:
         else:
             block_table, seq_lens, token_of = _one_request_per_token(metadata)
         window = self.params.sliding_window
-        items, bounds, num_threads = _work_split(seq_lens, self.num_kv_heads, window)
+        items, num_threads = work_items(seq_lens.shape[0], self.num_kv_heads)
         attention = DecodeArgs(
             dtype=0,
             block_table=block_table.data_ptr(),
@@ -274,11 +274,11 @@ class CpuDecodePath:
             sin=sin.data_ptr(),
             slots=slots.data_ptr(),
             attention=attention,
-            bounds=bounds.data_ptr(),
+            num_items=items.shape[0],
             num_threads=num_threads,
             **buffers.pointers,
         )
-        return decoder_step, (cos, sin, slots, block_table, seq_lens, token_of, items, bounds)
+        return decoder_step, (cos, sin, slots, block_table, seq_lens, token_of, items)
 
     def _bind_caches(self) -> bool:
         """Point the layer structures at the layers' cache views (again after a rebind)."""

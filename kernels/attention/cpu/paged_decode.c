@@ -6,7 +6,8 @@
  * block_size + offset; kernel block = slot / kernel_block_size, row = slot % ...), scores the
  * key against every query head that shares this KV head, and keeps an online (flash) softmax
  * with its value accumulator per query head, in fp32. K and V are read exactly once, with no
- * copy. Items are split over OpenMP threads by their number of keys.
+ * copy. A long item's keys go into parts (parts_of) whose softmax states are merged after;
+ * the work goes to OpenMP threads in runs of about equal keys.
  *
  * Built by kernels/cpu_attention.py with the system C compiler; its torch reference is
  * kernels/reference.py::paged_attention_reference.
@@ -42,7 +43,6 @@ typedef struct {
     int sliding_window;            /* 0: none */
     float scale, softcap;          /* softcap 0: none */
     const int64_t *items;          /* [num_items]: request * num_kv_heads + kv_head */
-    int64_t begin, end;            /* this thread's range of items */
 } DecodeArgs;
 
 static inline float load_element(const char *base, int64_t index, int dtype) {
@@ -394,10 +394,6 @@ static void decode_one(const DecodeArgs *a, const Item it) {
     decode_item(a, it);
 }
 
-static void decode_range(const DecodeArgs *a) {
-    for (int64_t i = a->begin; i < a->end; i++) decode_one(a, item_at(a, a->items[i]));
-}
-
 /* Floats of one part's state: each query head's maximum and sum, then its accumulator. */
 static inline int64_t partial_size(const DecodeArgs *a) {
     const int group = a->num_q_heads / a->num_kv_heads;
@@ -431,53 +427,91 @@ static void merge_parts(const DecodeArgs *a, int64_t item, const float *partials
     }
 }
 
-/* Few items for the threads (a decode batch of one or two requests over a few KV heads):
- * every thread takes its share of every item's keys, and the parts' softmax states are
- * merged after. Whole items over two threads left one with two of SmolLM2's three heads and
- * the other with one. Returns 0, or 3 when the states find no memory. */
-static int decode_in_parts(const DecodeArgs *args, int64_t num_items, int num_threads) {
-    const int64_t size = partial_size(args);
-    float *partials = malloc(sizeof(float) * (size_t)(num_items * num_threads * size));
-    if (partials == NULL) return 3;
-#pragma omp parallel for schedule(static, 1) num_threads(num_threads)
-    for (int t = 0; t < num_threads; t++) {
-        for (int64_t i = 0; i < num_items; i++) {
-            float *partial = partials + (i * num_threads + t) * size;
-            decode_one(args, item_part(args, args->items[i], t, num_threads, partial));
-        }
-    }
-    for (int64_t i = 0; i < num_items; i++)
-        merge_parts(args, args->items[i], partials + i * num_threads * size, num_threads);
-    free(partials);
-    return 0;
+/* One piece of the work: part `part` of an item's `parts` runs of keys (the whole item when
+ * `parts` is 1), its softmax state at `partial` floats into the states (for a split item). */
+typedef struct {
+    int64_t item, partial;
+    int part, parts;
+} Unit;
+
+/* An item's keys go into as many parts as there are threads, with at least MIN_PART_KEYS
+ * keys a part. The number depends on the item alone, never on the batch around it, so a
+ * request's attention is the same whatever else runs (a speculative verification's rows
+ * and plain decode steps agree); and a decode step of one request over SmolLM2's three KV
+ * heads keeps both threads busy, where whole items left one with two and the other with
+ * one. */
+enum { MIN_PART_KEYS = 32 };
+
+static int parts_of(const DecodeArgs *a, int64_t item, int num_threads) {
+    const Item it = item_at(a, item);
+    const int64_t parts = (it.end_key - it.first_key) / MIN_PART_KEYS;
+    return parts < 1 ? 1 : parts > num_threads ? num_threads : (int)parts;
 }
 
-/* Returns 0, -1 when a size is beyond the stack accumulators, or 3 when memory runs out.
- * `bounds` holds num_threads + 1 item offsets that split the work: whole items to each
- * thread, unless there are fewer than four items a thread. */
-int paged_decode_attention(DecodeArgs *args, const int64_t *bounds, int num_threads) {
+static inline int64_t unit_keys(const DecodeArgs *a, const Unit *u) {
+    const Item it = item_at(a, u->item);
+    const int64_t keys = it.end_key - it.first_key;
+    return keys * (u->part + 1) / u->parts - keys * u->part / u->parts;
+}
+
+/* The units, and into cut[0..num_threads] where each thread's run of them starts: runs of
+ * about equal keys. Returns the units' count. */
+static int64_t plan_units(const DecodeArgs *a, int64_t num_items, int num_threads, Unit *units,
+                          int64_t *cut, int64_t *num_partial_floats) {
+    const int64_t size = partial_size(a);
+    int64_t count = 0, floats = 0, total = 0;
+    for (int64_t i = 0; i < num_items; i++) {
+        const int parts = parts_of(a, a->items[i], num_threads);
+        for (int p = 0; p < parts; p++) {
+            units[count] = (Unit){a->items[i], parts > 1 ? floats + p * size : -1, p, parts};
+            total += unit_keys(a, &units[count++]);
+        }
+        if (parts > 1) floats += parts * size;
+    }
+    int64_t before = 0, u = 0;
+    for (int t = 0; t <= num_threads; t++) {
+        while (u < count && before * num_threads < t * total) before += unit_keys(a, &units[u++]);
+        cut[t] = t == num_threads ? count : u;
+    }
+    *num_partial_floats = floats;
+    return count;
+}
+
+/* Returns 0, -1 when a size is beyond the stack accumulators, or 3 when memory runs out. */
+int paged_decode_attention(DecodeArgs *args, int64_t num_items, int num_threads) {
     if (args->head_size > MAX_HEAD || args->head_size_v > MAX_HEAD
-        || args->num_q_heads / args->num_kv_heads > MAX_GROUP || num_threads > MAX_THREADS) {
+        || args->num_q_heads / args->num_kv_heads > MAX_GROUP || num_threads < 1
+        || num_threads > MAX_THREADS) {
         return -1;
     }
-    const int64_t num_items = bounds[num_threads] - bounds[0];
-    if (num_threads > 1 && num_items < 4 * num_threads) {
-        DecodeArgs all = *args;
-        all.items = args->items + bounds[0];
-        return decode_in_parts(&all, num_items, num_threads);
+    Unit *units = malloc(sizeof(Unit) * (size_t)(num_items * num_threads + 1));
+    int64_t cut[MAX_THREADS + 1], floats = 0;
+    if (units == NULL) return 3;
+    const int64_t count = plan_units(args, num_items, num_threads, units, cut, &floats);
+    float *partials = floats > 0 ? malloc(sizeof(float) * (size_t)floats) : NULL;
+    if (floats > 0 && partials == NULL) {
+        free(units);
+        return 3;
     }
-    DecodeArgs parts[MAX_THREADS];
-    for (int t = 0; t < num_threads; t++) {
-        parts[t] = *args;
-        parts[t].begin = bounds[t];
-        parts[t].end = bounds[t + 1];
-    }
-    /* The parts run on the OpenMP pool torch has started (the library resolves libgomp to
-     * torch's): a fresh thread per part per call cost ~0.5 ms, more than a decode step's
-     * attention at short contexts. Built without OpenMP, the parts run one after another. */
+    /* The runs go to the OpenMP pool torch has started (the library resolves libgomp to
+     * torch's): a fresh thread per run per call cost ~0.5 ms, more than a decode step's
+     * attention at short contexts. Built without OpenMP, the runs go one after another. */
 #pragma omp parallel for schedule(static, 1) num_threads(num_threads)
     for (int t = 0; t < num_threads; t++) {
-        decode_range(&parts[t]);
+        for (int64_t u = cut[t]; u < cut[t + 1]; u++) {
+            const Unit *unit = &units[u];
+            decode_one(args, unit->parts == 1
+                                 ? item_at(args, unit->item)
+                                 : item_part(args, unit->item, unit->part, unit->parts,
+                                             partials + unit->partial));
+        }
     }
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (count > 64)
+    for (int64_t u = 0; u < count; u++) {
+        if (units[u].parts > 1 && units[u].part == 0)
+            merge_parts(args, units[u].item, partials + units[u].partial, units[u].parts);
+    }
+    free(partials);
+    free(units);
     return 0;
 }

@@ -60,11 +60,10 @@ typedef struct { /* kernels/attention/cpu/paged_decode.c */
     int sliding_window;
     float scale, softcap;
     const int64_t *items;
-    int64_t begin, end;
 } DecodeArgs;
 
 typedef int (*MatmulFn)(const QMatmulArgs *);
-typedef int (*AttentionFn)(DecodeArgs *, const int64_t *, int);
+typedef int (*AttentionFn)(DecodeArgs *, int64_t, int);
 
 typedef struct {
     const uint8_t *qs;
@@ -106,7 +105,7 @@ typedef struct { /* one step */
     const float *cos, *sin; /* [T, D] */
     const int64_t *slots;   /* [T] */
     DecodeArgs attention;   /* the step's metadata; query, out and cache are set per layer */
-    const int64_t *bounds;
+    int64_t num_items;      /* the attention's (request, KV head) items */
     int num_threads;
 } DecoderStep;
 
@@ -225,7 +224,7 @@ int attend(const DecoderModel *m, const DecoderLayer *l, DecoderStep *s) {
     args.stride_cn = l->stride_cn;
     args.stride_cc = 1;
     args.kernel_block_size = l->kernel_block_size;
-    return m->attention(&args, s->bounds, s->num_threads) != 0 ? 10 : 0;
+    return m->attention(&args, s->num_items, s->num_threads) != 0 ? 10 : 0;
 }
 
 int attention_block(const DecoderModel *m, const DecoderLayer *l, DecoderStep *s) {
