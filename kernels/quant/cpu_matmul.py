@@ -6,10 +6,9 @@ in registers and streams the integers from memory once. Where expanding the weig
 of the work, AVX2 machines take the kernel's integer path instead: x is held as int16 per
 32-value block (14 significant bits, an error of at most half a step of ``max|x| / 16383``
 per value) and multiplied with integer multiply-adds, several x rows per widened block. How
-many rows that pays for the kernel says (``int16_max_rows``): one or two against AVX-512's
-float tiles, up to 8 against AVX2's. With AVX-512 VNNI up to 8 rows are split into bytes and
-multiplied with W's bytes directly (``split_max_rows``), a row's product the same alone or
-beside others. Longer inputs
+many rows that pays for the kernel says (``int16_max_rows``): one or two with AVX-512's
+float tiles, up to 8 against AVX2's. With AVX-512 VNNI one or two rows are split into bytes
+and multiplied with W's bytes directly (``split_max_rows``). Longer inputs
 (prefill chunks) are compute-bound: there a weight of moderate size is expanded to float32
 once and handed to the float GEMM; a large one (an LM head) stays with the kernel.
 Where no compiler is found, ``kernel()`` is None and the caller keeps float weights instead.

@@ -533,15 +533,13 @@ static inline __m256i split_block_sums(const SplitRows *xs, const QMatmulArgs *a
  * chooses from the sixteen in `scale`). */
 static inline __attribute__((always_inline)) void quad_step(
     const QMatmulArgs *a, const SplitRows *xs, const uint8_t *q, int64_t b, int64_t count,
-    __mmask64 bytes, __m512i pick, const __m512 *scale, __m512 *acc, int64_t i0,
-    const int rows) {
+    __mmask64 bytes, __m512i pick, const __m512 *scale, __m512 *acc, const int rows) {
     const __m512i nibble = _mm512_set1_epi8(15);
     const __m512i raw = _mm512_maskz_loadu_epi8(bytes, q + b * 16);
     const __m512i low = _mm512_and_si512(raw, nibble);
     const __m512i high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
     for (int r = 0; r < rows; r++) {
-        const int64_t row = (i0 + r) * a->k + b * BLOCK;
-        const int8_t *hi = xs->hi + row, *lo = xs->lo + row;
+        const int8_t *hi = xs->hi + r * a->k + b * BLOCK, *lo = xs->lo + r * a->k + b * BLOCK;
         __m512i h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), low, _mm512_maskz_loadu_epi8(bytes, hi));
         __m512i l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), low, _mm512_maskz_loadu_epi8(bytes, lo));
         h = _mm512_dpbusd_epi32(h, high, _mm512_maskz_loadu_epi8(bytes, hi + 16 * count));
@@ -551,72 +549,65 @@ static inline __attribute__((always_inline)) void quad_step(
     }
 }
 
-/* 4-bit row n of W against `rows` (1-4) x rows from row i0, into y, four blocks a step (the
+/* 4-bit row n of W against `rows` (1 or 2) x rows from row 0, into y, four blocks a step (the
  * group order above). Sixteen blocks' scales (W's float16 ones times x's) are made at once;
  * each group's lanes pick theirs with a permute. A last group of fewer blocks is read through
- * masks. Each x row's sums go in the same order whatever the tile, so a row's product is the
- * same alone or beside others. Inlined with `rows` a constant. */
-static inline __attribute__((always_inline)) void quad_rows_dot(const QMatmulArgs *a,
-                                                                const Int16Rows *x16,
-                                                                const SplitRows *xs, int64_t n,
-                                                                int64_t i0, const int rows) {
+ * masks. Inlined with `rows` a constant. */
+static inline __attribute__((always_inline)) void quad_rows_dot(
+    const QMatmulArgs *a, const Int16Rows *x16, const SplitRows *xs, int64_t n, const int rows) {
     const int64_t blocks = a->k / BLOCK;
     const uint16_t *d = a->scales + n * blocks, *mins = a->mins + n * blocks;
     const uint8_t *q = a->qs + n * (a->k / 2);
     const __m512i lane_block = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    __m512 acc[4], acc_min[4];
-    for (int r = 0; r < rows; r++) acc[r] = acc_min[r] = _mm512_setzero_ps();
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 acc_min[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t b0 = 0; b0 < blocks; b0 += 16) {
         const int64_t end = blocks - b0 < 16 ? blocks : b0 + 16;
         const __mmask16 mask = (__mmask16)((1u << (end - b0)) - 1);
         const __m512 w_scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d + b0));
         const __m512 m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mins + b0));
-        __m512 scale[4];
+        __m512 scale[2];
         for (int r = 0; r < rows; r++) {
-            const int64_t at = (i0 + r) * blocks + b0;
-            scale[r] = _mm512_mul_ps(w_scale, _mm512_maskz_loadu_ps(mask, x16->scale + at));
-            acc_min[r] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(mask, x16->sum + at), acc_min[r]);
+            scale[r] = _mm512_mul_ps(w_scale, _mm512_maskz_loadu_ps(mask, x16->scale + r * blocks + b0));
+            acc_min[r] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(mask, x16->sum + r * blocks + b0),
+                                         acc_min[r]);
         }
         __m512i pick = lane_block;
         int64_t b = b0;
         for (; b + 4 <= end; b += 4) {
-            quad_step(a, xs, q, b, 4, ~0ULL, pick, scale, acc, i0, rows);
+            quad_step(a, xs, q, b, 4, ~0ULL, pick, scale, acc, rows);
             pick = _mm512_add_epi32(pick, _mm512_set1_epi32(4));
         }
         if (b < end)
-            quad_step(a, xs, q, b, end - b, (1ULL << (16 * (end - b))) - 1, pick, scale, acc, i0,
-                      rows);
+            quad_step(a, xs, q, b, end - b, (1ULL << (16 * (end - b))) - 1, pick, scale, acc, rows);
     }
     for (int r = 0; r < rows; r++)
-        a->y[(i0 + r) * a->stride_y + n] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(acc_min[r]);
+        a->y[r * a->stride_y + n] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(acc_min[r]);
 }
 
-/* 8-bit row n of W against `rows` (1-4) x rows from row i0, into y: W's bytes are read once
- * for all. Sixteen blocks' scales (W's float16 ones times x's) are made at once and each
+/* 8-bit row n of W against `rows` (1 or 2) x rows from row 0, into y: W's bytes are read once
+ * for both. Sixteen blocks' scales (W's float16 ones times x's) are made at once and each
  * pair's lanes pick theirs with a permute. Inlined with `rows` a constant. */
-static inline __attribute__((always_inline)) void split_rows_dot(const QMatmulArgs *a,
-                                                                 const Int16Rows *x16,
-                                                                 const SplitRows *xs, int64_t n,
-                                                                 int64_t i0, const int rows) {
+static inline __attribute__((always_inline)) void split_rows_dot(
+    const QMatmulArgs *a, const Int16Rows *x16, const SplitRows *xs, int64_t n, const int rows) {
     int64_t blocks = a->k / BLOCK;
     const uint16_t *d = a->scales + n * blocks;
     /* lane l of a pair belongs to block 2p + pick[l] */
     const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    __m512 acc[4];
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     int64_t pairs = blocks / 2;
     for (int64_t b0 = 0; b0 < 2 * pairs; b0 += 16) {
         int64_t count = 2 * pairs - b0 < 16 ? 2 * pairs - b0 : 16;
         __mmask16 mask = (__mmask16)((1u << count) - 1);
         __m512 w_scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d + b0));
-        __m512 scale[4];
+        __m512 scale[2];
         for (int r = 0; r < rows; r++)
-            scale[r] = _mm512_mul_ps(w_scale, _mm512_maskz_loadu_ps(mask, x16->scale + (i0 + r) * blocks + b0));
+            scale[r] = _mm512_mul_ps(w_scale, _mm512_maskz_loadu_ps(mask, x16->scale + r * blocks + b0));
         __m512i lanes = pick;
         for (int64_t b = b0; b < b0 + count; b += 2) {
             __m512i w = split_pair(a, n, b);
             for (int r = 0; r < rows; r++) {
-                __m512 s = _mm512_cvtepi32_ps(split_sums(xs, a, w, i0 + r, b * BLOCK));
+                __m512 s = _mm512_cvtepi32_ps(split_sums(xs, a, w, r, b * BLOCK));
                 acc[r] = _mm512_fmadd_ps(s, _mm512_permutexvar_ps(lanes, scale[r]), acc[r]);
             }
             lanes = _mm512_add_epi32(lanes, _mm512_set1_epi32(2));
@@ -626,37 +617,22 @@ static inline __attribute__((always_inline)) void split_rows_dot(const QMatmulAr
         float out = _mm512_reduce_add_ps(acc[r]);
         if (blocks % 2) { /* the lone last block */
             int64_t b = blocks - 1;
-            __m256 s = _mm256_cvtepi32_ps(split_block_sums(xs, a, split_block(a, n, b), i0 + r, b * BLOCK));
+            __m256 s = _mm256_cvtepi32_ps(split_block_sums(xs, a, split_block(a, n, b), r, b * BLOCK));
             __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
             h = _mm_add_ps(h, _mm_movehl_ps(h, h));
             float total = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-            out += half_to_float(d[b]) * x16->scale[(i0 + r) * blocks + b] * total;
+            out += half_to_float(d[b]) * x16->scale[r * blocks + b] * total;
         }
-        a->y[(i0 + r) * a->stride_y + n] = out;
+        a->y[r * a->stride_y + n] = out;
     }
 }
 
-static inline __attribute__((always_inline)) void split_tile_dot(const QMatmulArgs *a,
-                                                                 const Int16Rows *x16,
-                                                                 const SplitRows *xs, int64_t n,
-                                                                 int64_t i0, const int rows) {
+static inline __attribute__((always_inline)) void split_row_dot(
+    const QMatmulArgs *a, const Int16Rows *x16, const SplitRows *xs, int64_t n, const int rows) {
     if (a->kind == KIND_Q4)
-        quad_rows_dot(a, x16, xs, n, i0, rows);
+        quad_rows_dot(a, x16, xs, n, rows);
     else
-        split_rows_dot(a, x16, xs, n, i0, rows);
-}
-
-/* Row n of W against every x row, in tiles of up to four that read W's bytes once. */
-static void split_row_dot(const QMatmulArgs *a, const Int16Rows *x16, const SplitRows *xs,
-                          int64_t n) {
-    int64_t i = 0;
-    for (; i + 4 <= a->m; i += 4) split_tile_dot(a, x16, xs, n, i, 4);
-    switch (a->m - i) {
-    case 3: split_tile_dot(a, x16, xs, n, i, 3); break;
-    case 2: split_tile_dot(a, x16, xs, n, i, 2); break;
-    case 1: split_tile_dot(a, x16, xs, n, i, 1); break;
-    default: break;
-    }
+        split_rows_dot(a, x16, xs, n, rows);
 }
 
 static int split_matmul(const QMatmulArgs *a, const Int16Rows *x16) {
@@ -670,25 +646,17 @@ static int split_matmul(const QMatmulArgs *a, const Int16Rows *x16) {
     }
     xs.lo = xs.hi + a->m * a->k;
     split_rows(a, x16, &xs);
-    /* One or two rows (a decode step's, most often) get loops of their own, with nothing to
-     * branch on: through the tiles' loop two rows took 4.2-4.6 ms of SmolLM2's step, not 3.7. */
     if (a->m == 1) {
 #pragma omp parallel for schedule(static)
         for (int64_t n = 0; n < a->n; n++) {
             prefetch_row(a, n + PREFETCH_ROWS);
-            split_tile_dot(a, x16, &xs, n, 0, 1);
-        }
-    } else if (a->m == 2) {
-#pragma omp parallel for schedule(static)
-        for (int64_t n = 0; n < a->n; n++) {
-            prefetch_row(a, n + PREFETCH_ROWS);
-            split_tile_dot(a, x16, &xs, n, 0, 2);
+            split_row_dot(a, x16, &xs, n, 1);
         }
     } else {
 #pragma omp parallel for schedule(static)
         for (int64_t n = 0; n < a->n; n++) {
             prefetch_row(a, n + PREFETCH_ROWS);
-            split_row_dot(a, x16, &xs, n);
+            split_row_dot(a, x16, &xs, n, 2);
         }
     }
     free(xs.hi);
@@ -697,11 +665,6 @@ static int split_matmul(const QMatmulArgs *a, const Int16Rows *x16) {
 }
 #define HAVE_SPLIT_PATH 1
 #endif
-/* Up to 8 rows, a decode batch's or a speculative verification's, where the split form beat
- * AVX-512's float tiles (SmolLM2's layer matmuls on two cores, in a C loop over its 30
- * layers' weights: 3 rows 5.3 against 7.1-7.4 ms, 5 rows 8.5-9.1 against 9.1-9.5, 8 rows
- * 11.4 against 12.1). */
-enum { SPLIT_MAX_ROWS = 8 };
 
 int gguf_matmul_int16(const QMatmulArgs *a) {
     if (a->k % BLOCK != 0) return 1;
@@ -719,7 +682,7 @@ int gguf_matmul_int16(const QMatmulArgs *a) {
     quantize_rows(a, &x16);
     int code = 0;
 #if defined(HAVE_SPLIT_PATH)
-    if (a->m <= SPLIT_MAX_ROWS) {
+    if (a->m <= 2) {
         code = split_matmul(a, &x16);
     } else
 #endif
@@ -735,23 +698,20 @@ int gguf_matmul_int16(const QMatmulArgs *a) {
 /* The rows up to which the integer path takes the split-byte form (0: no AVX-512 VNNI). */
 int gguf_split_max_rows(void) {
 #if defined(HAVE_SPLIT_PATH)
-    return SPLIT_MAX_ROWS;
+    return 2;
 #else
     return 0;
 #endif
 }
 
-/* The rows up to which the integer path serves, from SmolLM2's weights on two cores. With
- * AVX-512 VNNI, the split form's (above). Without VNNI, AVX-512's float tiles (16 lanes, two
- * FMAs per block and x row) beat the vpmaddwd form from 3 rows on (7.4 vs 10.3 ms at 3, 42 vs
- * 67 at 32). Against AVX2's float tiles it won at every row count (8.5 vs 10.9 ms at 3, 18.8
- * vs 14.1 at 5, 85 vs 101 at 32), but it is kept to decode batches and speculative
- * verifications of up to 8 rows: a prefill chunk on it moved the real model's greedy answers,
- * which the float path keeps. */
+/* The rows up to which the integer path serves, from SmolLM2's weights on two cores:
+ * AVX-512's float tiles (16 lanes, two FMAs per block and x row) beat it from 3 rows on (7.4
+ * vs 10.3 ms at 3, 42 vs 67 at 32). Against AVX2's float tiles it won at every row count
+ * (8.5 vs 10.9 ms at 3, 18.8 vs 14.1 at 5, 85 vs 101 at 32), but it is kept to decode
+ * batches and speculative verifications of up to 8 rows: a prefill chunk on it moved the
+ * real model's greedy answers, which the float path keeps. */
 int gguf_int16_max_rows(void) {
-#if defined(HAVE_SPLIT_PATH)
-    return SPLIT_MAX_ROWS;
-#elif defined(__AVX512F__)
+#if defined(__AVX512F__)
     return 2;
 #else
     return 8;
