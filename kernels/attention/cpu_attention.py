@@ -57,7 +57,6 @@ class DecodeArgs(ctypes.Structure):
         ("sliding_window", ctypes.c_int),
         ("scale", ctypes.c_float),
         ("softcap", ctypes.c_float),
-        ("items", ctypes.c_void_p),
     ]
 
 
@@ -117,7 +116,6 @@ def paged_decode_attention(
     num_reqs = seq_lens.shape[0]
     if num_reqs == 0:
         return
-    items, num_threads = work_items(num_reqs, params.num_kv_heads)
     sinks = None
     if params.sinks is not None:
         sinks = params.sinks.to(device="cpu", dtype=torch.float32).contiguous()
@@ -145,30 +143,21 @@ def paged_decode_attention(
         sliding_window=params.sliding_window or 0,
         scale=params.scale,
         softcap=params.softcap or 0.0,
-        items=items.data_ptr(),
     )
     _check_host_memory(
         query=query, out=out, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens,
-        token_of=token_of, items=items,
+        token_of=token_of,
     )  # fmt: skip
     if sinks is not None:
         _check_host_memory(sinks=sinks)
-    if kernel(ctypes.byref(args), items.shape[0], num_threads) != 0:
+    if kernel(ctypes.byref(args), num_reqs * params.num_kv_heads, attention_threads()) != 0:
         raise ValueError("the CPU decode kernel refused these sizes")
 
 
-def work_items(num_requests: int, num_kv_heads: int) -> tuple[torch.Tensor, int]:
-    """The kernel's items (request, KV head), and the threads it spreads them over: every
-    thread torch has, since the kernel splits long items' keys and one request keeps them
-    all busy."""
-    return _items(num_requests * num_kv_heads), max(1, min(torch.get_num_threads(), MAX_THREADS))
-
-
-@functools.lru_cache(maxsize=64)
-def _items(count: int) -> torch.Tensor:
-    """0 .. count - 1, made once per count: every layer of a step, and most steps, ask for the
-    same (the kernel only reads it)."""
-    return torch.arange(count, dtype=torch.int64, device="cpu")
+def attention_threads() -> int:
+    """The threads the kernel spreads its items (request, KV head) over: every thread torch
+    has, since the kernel splits long items' keys and one request keeps them all busy."""
+    return max(1, min(torch.get_num_threads(), MAX_THREADS))
 
 
 def _check_host_memory(**tensors: torch.Tensor) -> None:

@@ -33,7 +33,7 @@ from kernels.attention.cpu_attention import (
     MAX_GROUP,
     MAX_HEAD,
     DecodeArgs,
-    work_items,
+    attention_threads,
 )
 from kernels.attention.torch_backend import TorchAttentionBackend
 from kernels.decoder import cpu_decoder
@@ -248,8 +248,6 @@ class CpuDecodePath:
             token_of = metadata.query_start_loc[:-1].contiguous()
         else:
             block_table, seq_lens, token_of = _one_request_per_token(metadata)
-        window = self.params.sliding_window
-        items, num_threads = work_items(seq_lens.shape[0], self.num_kv_heads)
         attention = DecodeArgs(
             dtype=0,
             block_table=block_table.data_ptr(),
@@ -261,10 +259,9 @@ class CpuDecodePath:
             head_size=self.head_size,
             head_size_v=self.head_size,
             block_size=metadata.block_size,
-            sliding_window=window or 0,
+            sliding_window=self.params.sliding_window or 0,
             scale=self.params.scale,
             softcap=0.0,
-            items=items.data_ptr(),
         )
         decoder_step = cpu_decoder.DecoderStep(
             rows=hidden.shape[0],
@@ -274,11 +271,11 @@ class CpuDecodePath:
             sin=sin.data_ptr(),
             slots=slots.data_ptr(),
             attention=attention,
-            num_items=items.shape[0],
-            num_threads=num_threads,
+            num_items=seq_lens.shape[0] * self.num_kv_heads,
+            num_threads=attention_threads(),
             **buffers.pointers,
         )
-        return decoder_step, (cos, sin, slots, block_table, seq_lens, token_of, items)
+        return decoder_step, (cos, sin, slots, block_table, seq_lens, token_of)
 
     def _bind_caches(self) -> bool:
         """Point the layer structures at the layers' cache views (again after a rebind)."""

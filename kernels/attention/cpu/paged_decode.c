@@ -1,7 +1,8 @@
 /* Paged decode attention on the CPU: one query token per request, read in place from the KV
  * cache view through its strides (any of the six layouts, kernel-block splits included).
  *
- * The work is a list of (request, KV head) items. Each item walks the request's key
+ * The work is num_items (request, KV head) items, item i being request i / num_kv_heads and
+ * KV head i % num_kv_heads. Each item walks the request's key
  * positions once: it finds a position's cell through the block table (slot = block *
  * block_size + offset; kernel block = slot / kernel_block_size, row = slot % ...), scores the
  * key against every query head that shares this KV head, and keeps an online (flash) softmax
@@ -42,7 +43,6 @@ typedef struct {
     int block_size, kernel_block_size;
     int sliding_window;            /* 0: none */
     float scale, softcap;          /* softcap 0: none */
-    const int64_t *items;          /* [num_items]: request * num_kv_heads + kv_head */
 } DecodeArgs;
 
 static inline float load_element(const char *base, int64_t index, int dtype) {
@@ -430,7 +430,7 @@ static void merge_parts(const DecodeArgs *a, int64_t item, const float *partials
 /* One piece of the work: part `part` of an item's `parts` runs of keys (the whole item when
  * `parts` is 1), its softmax state at `partial` floats into the states (for a split item). */
 typedef struct {
-    int64_t item, partial;
+    int64_t item, partial, keys;
     int part, parts;
 } Unit;
 
@@ -442,16 +442,9 @@ typedef struct {
  * one. */
 enum { MIN_PART_KEYS = 32 };
 
-static int parts_of(const DecodeArgs *a, int64_t item, int num_threads) {
-    const Item it = item_at(a, item);
-    const int64_t parts = (it.end_key - it.first_key) / MIN_PART_KEYS;
+static int parts_of(int64_t keys, int num_threads) {
+    const int64_t parts = keys / MIN_PART_KEYS;
     return parts < 1 ? 1 : parts > num_threads ? num_threads : (int)parts;
-}
-
-static inline int64_t unit_keys(const DecodeArgs *a, const Unit *u) {
-    const Item it = item_at(a, u->item);
-    const int64_t keys = it.end_key - it.first_key;
-    return keys * (u->part + 1) / u->parts - keys * u->part / u->parts;
 }
 
 /* The units, and into cut[0..num_threads] where each thread's run of them starts: runs of
@@ -461,16 +454,19 @@ static int64_t plan_units(const DecodeArgs *a, int64_t num_items, int num_thread
     const int64_t size = partial_size(a);
     int64_t count = 0, floats = 0, total = 0;
     for (int64_t i = 0; i < num_items; i++) {
-        const int parts = parts_of(a, a->items[i], num_threads);
+        const Item it = item_at(a, i);
+        const int64_t keys = it.end_key - it.first_key; /* item_part's runs */
+        const int parts = parts_of(keys, num_threads);
         for (int p = 0; p < parts; p++) {
-            units[count] = (Unit){a->items[i], parts > 1 ? floats + p * size : -1, p, parts};
-            total += unit_keys(a, &units[count++]);
+            const int64_t run = keys * (p + 1) / parts - keys * p / parts;
+            units[count++] = (Unit){i, parts > 1 ? floats + p * size : -1, run, p, parts};
+            total += run;
         }
         if (parts > 1) floats += parts * size;
     }
     int64_t before = 0, u = 0;
     for (int t = 0; t <= num_threads; t++) {
-        while (u < count && before * num_threads < t * total) before += unit_keys(a, &units[u++]);
+        while (u < count && before * num_threads < t * total) before += units[u++].keys;
         cut[t] = t == num_threads ? count : u;
     }
     *num_partial_floats = floats;

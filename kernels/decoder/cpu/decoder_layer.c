@@ -59,7 +59,6 @@ typedef struct { /* kernels/attention/cpu/paged_decode.c */
     int block_size, kernel_block_size;
     int sliding_window;
     float scale, softcap;
-    const int64_t *items;
 } DecodeArgs;
 
 typedef int (*MatmulFn)(const QMatmulArgs *);
