@@ -234,11 +234,8 @@ class AsyncEngine:
                     if not self._send(sent, ahead=False):
                         await asyncio.sleep(0.001)  # blocked on memory: let frees arrive
                         continue
-                while len(sent) < self.scheduler.max_steps_in_flight and self.scheduler.has_work:
-                    if not self._send(sent, ahead=True):
-                        break
-                self.most_steps_in_flight = max(self.most_steps_in_flight, len(sent))
-                await self._finish_step(sent.popleft())
+                self._fill(sent)
+                await self._finish_step(sent)
             except WorkerLostError as exc:
                 logger.error("The engine lost its worker group: %s", exc)
                 await self._recover(
@@ -247,6 +244,14 @@ class AsyncEngine:
             except Exception as exc:  # a bug in scheduling or the transport: never silent
                 logger.exception("The engine step failed")
                 await self._recover(EngineInternalError(f"The engine step failed: {exc!r}"), sent)
+
+    def _fill(self, sent: deque[SentStep]) -> None:
+        """Send steps until as many are in flight as the scheduler allows (or none is left
+        to send); a step sent while none runs is not ahead."""
+        while len(sent) < self.scheduler.max_steps_in_flight and self.scheduler.has_work:
+            if not self._send(sent, ahead=bool(sent)):
+                break
+        self.most_steps_in_flight = max(self.most_steps_in_flight, len(sent))
 
     def _send(self, sent: deque[SentStep], *, ahead: bool) -> bool:
         """Schedule a step and send it to the workers; False when there was nothing to send.
@@ -258,7 +263,11 @@ class AsyncEngine:
         sent.append(SentStep(step, task, ahead=ahead))
         return True
 
-    async def _finish_step(self, sent_step: SentStep) -> None:
+    async def _finish_step(self, sent: deque[SentStep]) -> None:
+        """Take the oldest step's answer into the scheduler, send the steps it makes
+        possible, then stream its tokens: the workers start the next step (with drafts,
+        the only one) before the clients hear of this one, not after."""
+        sent_step = sent.popleft()
         result = await sent_step.task
         now = time.perf_counter()
         self.num_steps += 1
@@ -268,6 +277,7 @@ class AsyncEngine:
             touched = [r for r in touched if r.request_id not in result.refused]
         touched, unprocessed = end_stopped(self.scheduler, touched)
         failed += unprocessed
+        self._fill(sent)
         for request in touched:
             try:
                 if self.metrics is not None:
