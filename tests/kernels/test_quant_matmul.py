@@ -42,7 +42,7 @@ def test_blocks_hold_what_gguf_reads(type_name):
 
 
 @pytest.mark.parametrize("type_name", TYPES)
-@pytest.mark.parametrize("num_rows", [1, 3, 8, 9, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 5])
+@pytest.mark.parametrize("num_rows", [*range(1, 10), KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 5])
 def test_products_equal_float64_with_the_dequantized_weight(type_name, num_rows, monkeypatch):
     monkeypatch.setattr(cpu_matmul, "INT16_MAX_ROWS", 0)  # the float path at every row count
     matrix, weight = gguf_matrix(type_name, 75, 160, seed=num_rows)  # odd rows: a lone last row
@@ -53,6 +53,18 @@ def test_products_equal_float64_with_the_dequantized_weight(type_name, num_rows,
     got = quantized_linear(x, matrix, bias)
     assert got.shape == (num_rows, 75) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_a_row_gets_the_same_float_product_in_a_tile_of_any_size(type_name, monkeypatch):
+    """Each tile size (1-8 rows, a speculative verification's 5 among them) is its own
+    instantiation of the float tile; every one sums a row in the order it is summed alone."""
+    monkeypatch.setattr(cpu_matmul, "INT16_MAX_ROWS", 0)
+    matrix, _ = gguf_matrix(type_name, 75, 1120, seed=5)
+    x = torch.randn(8, 1120, generator=torch.Generator().manual_seed(6)) * 3
+    alone = torch.cat([quantized_linear(x[i : i + 1], matrix) for i in range(8)])
+    for rows in range(2, 9):
+        assert torch.equal(quantized_linear(x[:rows], matrix), alone[:rows]), rows
 
 
 def int16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

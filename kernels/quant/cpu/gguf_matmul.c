@@ -137,9 +137,11 @@ static inline void expand_avx512(const QMatmulArgs *a, int64_t n, int64_t b, __m
     }
 }
 
-/* Rows n, n + 1 of W (or n alone when pair is 0) against up to ROWS_PER_TILE rows of x from
- * row i: each expanded block is used by every x row of the tile. */
-static void row_tile(const QMatmulArgs *a, int64_t n, int pair, int64_t i, int rows) {
+/* Rows n, n + 1 of W (or n alone when pair is 0) against `rows` (1 to ROWS_PER_TILE) rows
+ * of x from row i: each expanded block is used by every x row of the tile. Inlined with `rows`
+ * a constant, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void rows_tile(const QMatmulArgs *a, int64_t n,
+                                                            int pair, int64_t i, const int rows) {
     int64_t blocks = a->k / BLOCK;
     __m512 acc0[ROWS_PER_TILE], acc1[ROWS_PER_TILE];
     for (int r = 0; r < ROWS_PER_TILE; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
@@ -158,6 +160,21 @@ static void row_tile(const QMatmulArgs *a, int64_t n, int pair, int64_t i, int r
         float *y = a->y + (i + r) * a->stride_y + n;
         y[0] = _mm512_reduce_add_ps(acc0[r]);
         if (pair) y[1] = _mm512_reduce_add_ps(acc1[r]);
+    }
+}
+
+/* With `rows` only known at run time the accumulators were indexed in memory: a tile of 5
+ * rows (a speculative verification's) loaded and stored one for every multiply-add. */
+static void row_tile(const QMatmulArgs *a, int64_t n, int pair, int64_t i, int rows) {
+    switch (rows) {
+    case 1: rows_tile(a, n, pair, i, 1); break;
+    case 2: rows_tile(a, n, pair, i, 2); break;
+    case 3: rows_tile(a, n, pair, i, 3); break;
+    case 4: rows_tile(a, n, pair, i, 4); break;
+    case 5: rows_tile(a, n, pair, i, 5); break;
+    case 6: rows_tile(a, n, pair, i, 6); break;
+    case 7: rows_tile(a, n, pair, i, 7); break;
+    default: rows_tile(a, n, pair, i, ROWS_PER_TILE); break;
     }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
