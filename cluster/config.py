@@ -9,7 +9,6 @@ from typing import Annotated
 
 import msgspec
 
-from cluster.cpu_policy import ENGINE_CPU_POLICIES
 from cluster.serve.routing import POLICIES
 from cluster.transport import STEP_TRANSPORTS
 from workers.options import RankSettings, WorkerOptions, setting
@@ -163,16 +162,6 @@ class EngineConfig(RankSettings, frozen=True, kw_only=True):
             group="server",
         ),
     ] = 30.0
-    # Why batch: cluster.cpu_policy.
-    engine_cpu_policy: Annotated[
-        str,
-        setting(
-            "Linux scheduling policy of the process running the engine loop (the controller, "
-            "a Serve replica): batch (SCHED_BATCH: woken by a step's reply, it does not "
-            "preempt the worker thread sending it) or normal",
-            choices=ENGINE_CPU_POLICIES,
-        ),
-    ] = "batch"
     max_rebuild_attempts: Annotated[
         int,
         setting(
@@ -223,7 +212,6 @@ class EngineConfig(RankSettings, frozen=True, kw_only=True):
         checks = {
             "drain_timeout_s": self.drain_timeout_s >= 0,
             "max_rebuild_attempts": self.max_rebuild_attempts >= 0,
-            "engine_cpu_policy": self.engine_cpu_policy in ENGINE_CPU_POLICIES,
             "cpus_per_worker": self.cpus_per_worker is None or self.cpus_per_worker >= 1,
             "port": 0 <= self.port < 65536,
             "http_port": self.http_port is None or 0 <= self.http_port < 65536,

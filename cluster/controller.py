@@ -12,7 +12,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.assembly import build_scheduler, start_serving
 from cluster.config import EngineConfig
-from cluster.cpu_policy import apply_engine_cpu_policy
 from cluster.placement import cpus_per_worker, reserve, start_worker_actors, worker_bundle
 from cluster.scheduler.scheduler import Scheduler
 from cluster.stage_startup import plan_stage_caches
@@ -42,7 +41,6 @@ class Controller:
     async def start(self) -> dict:
         """Place and start the workers, agree on the KV plan, start serving; returns the
         server address and the plan's headline figures."""
-        apply_engine_cpu_policy(self.config.engine_cpu_policy)  # the loop's threads, and later ones
         if self.config.use_gpu is None:
             self.use_gpu = ray.cluster_resources().get("GPU", 0) > 0
         else:

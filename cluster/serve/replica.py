@@ -19,7 +19,6 @@ from ray.util.placement_group import get_current_placement_group
 from cluster.admission import AdmittedRequest
 from cluster.assembly import build_engine
 from cluster.config import EngineConfig
-from cluster.cpu_policy import apply_engine_cpu_policy
 from cluster.engine import EngineState
 from cluster.placement import start_worker_actors
 from cluster.serve.routing import BOUNDARY, PREFIX, short_hash
@@ -37,7 +36,6 @@ logger = logging.getLogger(__name__)
 class EngineReplica:
     async def __init__(self, config_bytes: bytes):
         config = decode(config_bytes, EngineConfig)  # use_gpu resolved by the application
-        apply_engine_cpu_policy(config.engine_cpu_policy)
         self.config = config.for_workers_on(use_gpu=bool(config.use_gpu))
         self.model_config = model_config_for(config.model)
         check_expert_split(self.model_config, self.config)
