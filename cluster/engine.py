@@ -276,7 +276,9 @@ class AsyncEngine:
             failed += refused_by_grammar(self.scheduler, result.refused)
             touched = [r for r in touched if r.request_id not in result.refused]
         touched, unprocessed = end_stopped(self.scheduler, touched)
-        failed += unprocessed
+        # Requests that failed end before the next step is planned, so it does not carry them.
+        for request, exc in failed + unprocessed:
+            self._fail_request(request, exc)
         self._fill(sent)
         for request in touched:
             try:
@@ -284,9 +286,7 @@ class AsyncEngine:
                     self.metrics.observe_tokens(request, len(request.pending_token_ids))
                 self._deliver(request)
             except Exception as exc:
-                failed.append((request, exc))
-        for request, exc in failed:
-            self._fail_request(request, exc)
+                self._fail_request(request, exc)
         self.stats.record_step(self._step_wall(sent_step, result, now), result.forward_seconds)
         self._last_answer_at = now
         if self.metrics is not None:
