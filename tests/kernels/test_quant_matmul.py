@@ -55,18 +55,6 @@ def test_products_equal_float64_with_the_dequantized_weight(type_name, num_rows,
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("type_name", TYPES)
-def test_a_row_gets_the_same_float_product_in_a_tile_of_any_size(type_name, monkeypatch):
-    """Each tile size (1-8 rows, a speculative verification's 5 among them) is its own
-    instantiation of the float tile; every one sums a row in the order it is summed alone."""
-    monkeypatch.setattr(cpu_matmul, "INT16_MAX_ROWS", 0)
-    matrix, _ = gguf_matrix(type_name, 75, 1120, seed=5)
-    x = torch.randn(8, 1120, generator=torch.Generator().manual_seed(6)) * 3
-    alone = torch.cat([quantized_linear(x[i : i + 1], matrix) for i in range(8)])
-    for rows in range(2, 9):
-        assert torch.equal(quantized_linear(x[:rows], matrix), alone[:rows]), rows
-
-
 def int16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x as the integer path holds it: per 32-value block, float32 ``16383 / max|x|`` times
     x rounded half to even, and the block scales ``max|x| / 16383``."""
@@ -113,15 +101,31 @@ def test_the_integer_path_is_the_product_of_int16_activations(
     assert (got - exact).abs().max() > 0  # the rounding is there: this is not the float path
 
 
-@pytest.mark.skipif(cpu_matmul.split_max_rows() == 0, reason="the split form needs AVX-512 VNNI")
+# The float tiles at every size (each its own instantiation, a speculative verification's 5
+# rows among them), and the split form's two rows where the CPU has VNNI.
+SAME_ALONE = [
+    pytest.param(0, 8, id="float-tiles"),
+    pytest.param(
+        None, 2, id="split-form",
+        marks=pytest.mark.skipif(
+            cpu_matmul.split_max_rows() == 0, reason="the split form needs AVX-512 VNNI"
+        ),
+    ),
+]  # fmt: skip
+
+
 @pytest.mark.parametrize("type_name", TYPES)
-def test_two_rows_get_the_products_each_gets_alone_on_the_split_form(type_name):
-    """Two rows share W's bytes, each summed as it is alone: a decode step of two requests
+@pytest.mark.parametrize("int16_max_rows,max_rows", SAME_ALONE)
+def test_a_row_gets_the_product_it_gets_alone(type_name, int16_max_rows, max_rows, monkeypatch):
+    """Rows that share W's bytes are each summed as alone: a decode step of several requests
     multiplies each as a step of one would, bit for bit."""
+    if int16_max_rows is not None:
+        monkeypatch.setattr(cpu_matmul, "INT16_MAX_ROWS", int16_max_rows)
     matrix, _ = gguf_matrix(type_name, 75, 1120, seed=3)
-    x = torch.randn(2, 1120, generator=torch.Generator().manual_seed(4)) * 3
-    alone = torch.cat([quantized_linear(x[i : i + 1], matrix) for i in range(2)])
-    assert torch.equal(quantized_linear(x, matrix), alone)
+    x = torch.randn(max_rows, 1120, generator=torch.Generator().manual_seed(4)) * 3
+    alone = torch.cat([quantized_linear(x[i : i + 1], matrix) for i in range(max_rows)])
+    for rows in range(2, max_rows + 1):
+        assert torch.equal(quantized_linear(x[:rows], matrix), alone[:rows]), rows
 
 
 def test_the_split_byte_form_is_there_on_cpus_with_avx512_vnni():

@@ -163,8 +163,9 @@ static inline __attribute__((always_inline)) void rows_tile(const QMatmulArgs *a
     }
 }
 
-/* With `rows` only known at run time the accumulators were indexed in memory: a tile of 5
- * rows (a speculative verification's) loaded and stored one for every multiply-add. */
+/* One instantiation per row count: with `rows` known only at run time the accumulators are
+ * indexed in memory, and a tile of 5 rows (a speculative verification's) loads and stores
+ * one for every multiply-add (the Q8 LM head: 4.63 against 3.98 ms at 5 rows). */
 static void row_tile(const QMatmulArgs *a, int64_t n, int pair, int64_t i, int rows) {
     switch (rows) {
     case 1: rows_tile(a, n, pair, i, 1); break;
