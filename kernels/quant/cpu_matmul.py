@@ -7,8 +7,9 @@ of the work, AVX2 machines take the kernel's integer path instead: x is held as 
 32-value block (14 significant bits, an error of at most half a step of ``max|x| / 16383``
 per value) and multiplied with integer multiply-adds, several x rows per widened block. How
 many rows that pays for the kernel says (``int16_max_rows``): one or two with AVX-512's
-float tiles, up to 8 against AVX2's. With AVX-512 VNNI one or two rows are split into bytes
-and multiplied with W's bytes directly (``split_max_rows``). Longer inputs
+float tiles, up to 8 against AVX2's. With AVX-512 VNNI the integer path splits x into bytes
+and multiplies them with W's bytes directly (``split_max_rows``); an LM head's rows take it
+up to ``LOGITS_SPLIT_MAX_ROWS``. Longer inputs
 (prefill chunks) are compute-bound: there a weight of moderate size is expanded to float32
 once and handed to the float GEMM; a large one (an LM head) stays with the kernel.
 Where no compiler is found, ``kernel()`` is None and the caller keeps float weights instead.
@@ -33,6 +34,14 @@ KIND_CODES = {Q4: 0, Q8: 1}
 KERNEL_MAX_ROWS = 32  # measured with random weights at SmolLM2's shapes (two cores)
 # Rows up to which the integer path serves; None: the bound the kernel measured for its CPU.
 INT16_MAX_ROWS: int | None = None
+# Rows up to which an LM head's product takes the split form where the CPU has it. Its rows are
+# sampled positions, never a prompt chunk whose keys and values later tokens read (a chunk on
+# the integer path moved the real model's greedy answers: layers keep the float tiles from 3
+# rows), and on that path each row's logits are bit for bit those it gets alone: a speculative
+# verification's rows get what decoding them one at a time would. Q8_0 49152 x 576, two
+# cores, split against float tiles: 1.5 / 2.5 ms at 3 rows, 2.65 / 3.45 at 5, 3.2 / 3.5 at 6,
+# 3.8 / 3.85 at 8.
+LOGITS_SPLIT_MAX_ROWS = 6
 # A weight past this many values is never expanded: expanding a 49152 x 576 LM head for every
 # step of 33+ requests would write 113 MB per step, more than the kernel's extra arithmetic.
 EXPAND_MAX_VALUES = 8 << 20
@@ -115,10 +124,11 @@ def _call(function, *args) -> None:
         raise RuntimeError(f"{function.__name__} failed with code {code}")
 
 
-def matmul_function(num_rows: int):
-    """The kernel's entry point for products of ``num_rows`` rows."""
+def matmul_function(num_rows: int, sampled_rows: bool = False):
+    """The kernel's entry point for products of ``num_rows`` rows (``sampled_rows``: an LM
+    head's)."""
     library = kernel()
-    if num_rows <= int16_max_rows():
+    if num_rows <= (logits_int16_max_rows() if sampled_rows else int16_max_rows()):
         return library.gguf_matmul_int16
     return library.gguf_matmul
 
@@ -140,6 +150,13 @@ def int16_max_rows() -> int:
     return _kernel_int16_max_rows() if INT16_MAX_ROWS is None else INT16_MAX_ROWS
 
 
+def logits_int16_max_rows() -> int:
+    """Rows up to which an LM head's product takes the integer path."""
+    if INT16_MAX_ROWS is not None:
+        return INT16_MAX_ROWS
+    return max(int16_max_rows(), min(split_max_rows(), LOGITS_SPLIT_MAX_ROWS))
+
+
 @functools.cache
 def _kernel_int16_max_rows() -> int:
     return int(kernel().gguf_int16_max_rows())
@@ -153,9 +170,13 @@ def dequantize(weight: QuantizedMatrix) -> torch.Tensor:
 
 
 def quantized_linear(
-    x: torch.Tensor, weight: QuantizedMatrix, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: QuantizedMatrix,
+    bias: torch.Tensor | None = None,
+    sampled_rows: bool = False,
 ) -> torch.Tensor:
-    """``x @ W^T + b`` for float32 ``x`` of any leading shape."""
+    """``x @ W^T + b`` for float32 ``x`` of any leading shape (``sampled_rows``: x holds an LM
+    head's rows, see ``LOGITS_SPLIT_MAX_ROWS``)."""
     n, k = weight.shape
     if x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"quantized weights take float32 CPU inputs, not {x.dtype} {x.device}")
@@ -166,7 +187,7 @@ def quantized_linear(
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)
     if rows.shape[0]:
-        _call(matmul_function(rows.shape[0]), _args(weight, rows, out))
+        _call(matmul_function(rows.shape[0], sampled_rows), _args(weight, rows, out))
     if bias is not None:
         out += bias
     return out.reshape(*x.shape[:-1], n)

@@ -12,10 +12,15 @@ from kernels.registry import check_can_launch
 
 
 def quantized_linear(
-    x: torch.Tensor, weight: QuantizedMatrix, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: QuantizedMatrix,
+    bias: torch.Tensor | None = None,
+    sampled_rows: bool = False,
 ) -> torch.Tensor:
+    """``sampled_rows``: x holds an LM head's rows (the CPU kernel may then take its integer
+    path for more of them; the Triton kernel has one path)."""
     if x.device.type == "cpu":
-        return cpu_matmul.quantized_linear(x, weight, bias)
+        return cpu_matmul.quantized_linear(x, weight, bias, sampled_rows)
     check_can_launch(x.device, "GGUF matmul")
     from kernels.quant import triton_matmul
 

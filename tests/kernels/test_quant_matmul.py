@@ -101,12 +101,12 @@ def test_the_integer_path_is_the_product_of_int16_activations(
     assert (got - exact).abs().max() > 0  # the rounding is there: this is not the float path
 
 
-# The float tiles at every size (each its own instantiation, a speculative verification's 5
-# rows among them), and the split form's two rows where the CPU has VNNI.
+# The float tiles and the split form (where the CPU has VNNI) at every size: each is its own
+# instantiation, a speculative verification's 5 rows among them.
 SAME_ALONE = [
     pytest.param(0, 8, id="float-tiles"),
     pytest.param(
-        None, 2, id="split-form",
+        8, 8, id="split-form",
         marks=pytest.mark.skipif(
             cpu_matmul.split_max_rows() == 0, reason="the split form needs AVX-512 VNNI"
         ),
@@ -129,12 +129,14 @@ def test_a_row_gets_the_product_it_gets_alone(type_name, int16_max_rows, max_row
 
 
 def test_the_split_byte_form_is_there_on_cpus_with_avx512_vnni():
-    """Decode steps' one or two rows take vpdpbusd where the CPU has it (the products above
-    then come from that form); elsewhere the vpmaddwd form serves them."""
+    """The integer path takes vpdpbusd for up to 8 rows where the CPU has it (decode steps'
+    one or two, an LM head's up to six; the products above then come from that form);
+    elsewhere the vpmaddwd form serves them."""
     with open("/proc/cpuinfo") as cpuinfo:
         flags = next((line for line in cpuinfo if line.startswith("flags")), "")
     has_vnni = {"avx512_vnni", "avx512bw", "avx512vl", "f16c"} <= set(flags.split())
-    assert cpu_matmul.split_max_rows() == (2 if has_vnni else 0)
+    assert cpu_matmul.split_max_rows() == (8 if has_vnni else 0)
+    assert cpu_matmul.logits_int16_max_rows() == (6 if has_vnni else cpu_matmul.int16_max_rows())
 
 
 def test_leading_dimensions_and_strided_rows_are_kept(monkeypatch):

@@ -355,6 +355,21 @@ def test_quantized_layers_equal_the_dequantized_ones_layer_by_layer(quantized_fi
     )
 
 
+def test_a_quantized_lm_head_gives_each_row_the_logits_it_gets_alone(quantized_files):
+    """A speculative verification's rows (up to ``logits_int16_max_rows``) take the integer
+    path, whose sums are each row's alone: the logits of K + 1 rows are those decoding them one
+    at a time gives, where the float tiles' would differ in their last bits."""
+    max_rows = cpu_matmul.logits_int16_max_rows()
+    if max_rows < 3:
+        pytest.skip("no integer path for several rows on this CPU")
+    _, path = quantized_files["all"]
+    head = dict(loaded_worker(path).model.named_modules())["lm_head"]
+    x = torch.randn(max_rows, head.hidden_size, generator=torch.Generator().manual_seed(1)) * 3
+    alone = torch.cat([head.compute_logits(x[i : i + 1]) for i in range(max_rows)])
+    for rows in range(2, max_rows + 1):
+        assert torch.equal(head.compute_logits(x[:rows]), alone[:rows]), rows
+
+
 VOCAB_LAST = COMMON["vocab_size"] - 1
 
 

@@ -41,11 +41,14 @@ def pack_weight(weight: torch.Tensor):
         return None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed, bias=None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, packed, bias=None, sampled_rows: bool = False
+) -> torch.Tensor:
+    """``sampled_rows``: x holds an LM head's rows (``kernels.quant.matmul``)."""
     if packed is None:
         return F.linear(x, weight, bias)
     if isinstance(packed, QuantizedMatrix):
-        return quantized_linear(x, packed, bias)
+        return quantized_linear(x, packed, bias, sampled_rows)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 

@@ -67,6 +67,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self.packed_weight is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight, self.packed_weight)  # [T, vocab_per_rank]
+        # [T, vocab_per_rank]
+        logits = linear(hidden, self.weight, self.packed_weight, sampled_rows=True)
         logits = all_gather_last_dim(logits)  # [T, vocab_per_rank * tp]
         return logits[..., : self.vocab_size]

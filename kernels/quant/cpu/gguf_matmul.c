@@ -461,7 +461,7 @@ static void int16_rows_dot(const QMatmulArgs *a, const Int16Rows *x16, int64_t n
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 /*
- * The split-byte path (AVX-512 VNNI, one or two x rows): each int16 value v of x, at most
+ * The split-byte path (AVX-512 VNNI, up to SPLIT_MAX_ROWS x rows): each int16 value v of x, at most
  * INT16_LEVELS in magnitude, is split as v = 128 hi + lo (hi signed, lo 0-127, both bytes), so
  * vpdpbusd multiplies W's bytes with x's 64 at a time: 4-bit weights as they are (0-15) and
  * 8-bit ones with their sign bit flipped (w + 128, unsigned), whose extra 128 sum(v) per four
@@ -479,6 +479,9 @@ static void int16_rows_dot(const QMatmulArgs *a, const Int16Rows *x16, int64_t n
  * first halves x_b[0:16], x_b+1[0:16], ..., then the second halves x_b[16:32], .... 8-bit W
  * goes two blocks to a register, x in natural order.
  */
+/* Decode steps take it for one or two rows (from three, the float tiles are the faster for Q4
+ * layers); the LM head for up to six (kernels/quant/cpu_matmul.py). */
+#define SPLIT_MAX_ROWS 8
 typedef struct {
     int8_t *hi, *lo; /* [M, K] each, in W's byte order */
     int32_t *fix;    /* [M, K / 4]: 128 times each four values' sum (8-bit W only) */
@@ -567,8 +570,8 @@ static inline __attribute__((always_inline)) void quad_step(
     }
 }
 
-/* 4-bit row n of W against `rows` (1 or 2) x rows from row 0, into y, four blocks a step (the
- * group order above). Sixteen blocks' scales (W's float16 ones times x's) are made at once;
+/* 4-bit row n of W against `rows` (1 to SPLIT_MAX_ROWS) x rows from row 0, into y, four
+ * blocks a step (the group order above). Sixteen blocks' scales (W's float16 ones times x's) are made at once;
  * each group's lanes pick theirs with a permute. A last group of fewer blocks is read through
  * masks. Inlined with `rows` a constant. */
 static inline __attribute__((always_inline)) void quad_rows_dot(
@@ -577,14 +580,14 @@ static inline __attribute__((always_inline)) void quad_rows_dot(
     const uint16_t *d = a->scales + n * blocks, *mins = a->mins + n * blocks;
     const uint8_t *q = a->qs + n * (a->k / 2);
     const __m512i lane_block = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    __m512 acc_min[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 acc[SPLIT_MAX_ROWS], acc_min[SPLIT_MAX_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = acc_min[r] = _mm512_setzero_ps();
     for (int64_t b0 = 0; b0 < blocks; b0 += 16) {
         const int64_t end = blocks - b0 < 16 ? blocks : b0 + 16;
         const __mmask16 mask = (__mmask16)((1u << (end - b0)) - 1);
         const __m512 w_scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d + b0));
         const __m512 m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mins + b0));
-        __m512 scale[2];
+        __m512 scale[SPLIT_MAX_ROWS];
         for (int r = 0; r < rows; r++) {
             scale[r] = _mm512_mul_ps(w_scale, _mm512_maskz_loadu_ps(mask, x16->scale + r * blocks + b0));
             acc_min[r] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(mask, x16->sum + r * blocks + b0),
@@ -603,8 +606,8 @@ static inline __attribute__((always_inline)) void quad_rows_dot(
         a->y[r * a->stride_y + n] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(acc_min[r]);
 }
 
-/* 8-bit row n of W against `rows` (1 or 2) x rows from row 0, into y: W's bytes are read once
- * for both. Sixteen blocks' scales (W's float16 ones times x's) are made at once and each
+/* 8-bit row n of W against `rows` (1 to SPLIT_MAX_ROWS) x rows from row 0, into y: W's
+ * bytes are read once for all. Sixteen blocks' scales (W's float16 ones times x's) are made at once and each
  * pair's lanes pick theirs with a permute. Inlined with `rows` a constant. */
 static inline __attribute__((always_inline)) void split_rows_dot(
     const QMatmulArgs *a, const Int16Rows *x16, const SplitRows *xs, int64_t n, const int rows) {
@@ -612,13 +615,14 @@ static inline __attribute__((always_inline)) void split_rows_dot(
     const uint16_t *d = a->scales + n * blocks;
     /* lane l of a pair belongs to block 2p + pick[l] */
     const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 acc[SPLIT_MAX_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     int64_t pairs = blocks / 2;
     for (int64_t b0 = 0; b0 < 2 * pairs; b0 += 16) {
         int64_t count = 2 * pairs - b0 < 16 ? 2 * pairs - b0 : 16;
         __mmask16 mask = (__mmask16)((1u << count) - 1);
         __m512 w_scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d + b0));
-        __m512 scale[2];
+        __m512 scale[SPLIT_MAX_ROWS];
         for (int r = 0; r < rows; r++)
             scale[r] = _mm512_mul_ps(w_scale, _mm512_maskz_loadu_ps(mask, x16->scale + r * blocks + b0));
         __m512i lanes = pick;
@@ -653,6 +657,18 @@ static inline __attribute__((always_inline)) void split_row_dot(
         split_rows_dot(a, x16, xs, n, rows);
 }
 
+/* Every row of W against ROWS x rows, ROWS a literal: the parallel loop's body becomes a
+ * function of its own, where a count passed in as a constant is a variable again and the
+ * accumulators go to memory (the LM head's one row: 1.3-1.6 against 0.8-1.0 ms). */
+#define SPLIT_ALL_ROWS(ROWS)                                                                  \
+    do {                                                                                      \
+        _Pragma("omp parallel for schedule(static)")                                         \
+        for (int64_t n = 0; n < a->n; n++) {                                                  \
+            prefetch_row(a, n + PREFETCH_ROWS);                                               \
+            split_row_dot(a, x16, &xs, n, ROWS);                                              \
+        }                                                                                     \
+    } while (0)
+
 static int split_matmul(const QMatmulArgs *a, const Int16Rows *x16) {
     SplitRows xs;
     xs.hi = malloc((size_t)(a->m * a->k) * 2);
@@ -664,18 +680,15 @@ static int split_matmul(const QMatmulArgs *a, const Int16Rows *x16) {
     }
     xs.lo = xs.hi + a->m * a->k;
     split_rows(a, x16, &xs);
-    if (a->m == 1) {
-#pragma omp parallel for schedule(static)
-        for (int64_t n = 0; n < a->n; n++) {
-            prefetch_row(a, n + PREFETCH_ROWS);
-            split_row_dot(a, x16, &xs, n, 1);
-        }
-    } else {
-#pragma omp parallel for schedule(static)
-        for (int64_t n = 0; n < a->n; n++) {
-            prefetch_row(a, n + PREFETCH_ROWS);
-            split_row_dot(a, x16, &xs, n, 2);
-        }
+    switch (a->m) {
+    case 1: SPLIT_ALL_ROWS(1); break;
+    case 2: SPLIT_ALL_ROWS(2); break;
+    case 3: SPLIT_ALL_ROWS(3); break;
+    case 4: SPLIT_ALL_ROWS(4); break;
+    case 5: SPLIT_ALL_ROWS(5); break;
+    case 6: SPLIT_ALL_ROWS(6); break;
+    case 7: SPLIT_ALL_ROWS(7); break;
+    default: SPLIT_ALL_ROWS(SPLIT_MAX_ROWS); break;
     }
     free(xs.hi);
     free(xs.fix);
@@ -700,7 +713,7 @@ int gguf_matmul_int16(const QMatmulArgs *a) {
     quantize_rows(a, &x16);
     int code = 0;
 #if defined(HAVE_SPLIT_PATH)
-    if (a->m <= 2) {
+    if (a->m <= SPLIT_MAX_ROWS) {
         code = split_matmul(a, &x16);
     } else
 #endif
@@ -716,7 +729,7 @@ int gguf_matmul_int16(const QMatmulArgs *a) {
 /* The rows up to which the integer path takes the split-byte form (0: no AVX-512 VNNI). */
 int gguf_split_max_rows(void) {
 #if defined(HAVE_SPLIT_PATH)
-    return 2;
+    return SPLIT_MAX_ROWS;
 #else
     return 0;
 #endif
