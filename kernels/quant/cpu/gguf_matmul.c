@@ -461,13 +461,13 @@ static void int16_rows_dot(const QMatmulArgs *a, const Int16Rows *x16, int64_t n
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 /*
- * The split-byte path (AVX-512 VNNI, up to SPLIT_MAX_ROWS x rows): each int16 value v of x, at most
- * INT16_LEVELS in magnitude, is split as v = 128 hi + lo (hi signed, lo 0-127, both bytes), so
- * vpdpbusd multiplies W's bytes with x's 64 at a time: 4-bit weights as they are (0-15) and
- * 8-bit ones with their sign bit flipped (w + 128, unsigned), whose extra 128 sum(v) per four
- * values is taken off again from `fix`. The integer sums are exact, as on the vpmaddwd path,
- * in a third of its instructions: no weight is widened to 16 bits. A register's lanes meet
- * their blocks' scales (W's times x's) in one FMA.
+ * The split-byte path (AVX-512 VNNI, up to SPLIT_MAX_ROWS x rows): each int16 value v of x,
+ * at most INT16_LEVELS in magnitude, is split as v = 128 hi + lo (hi signed, lo 0-127, both
+ * bytes), so vpdpbusd multiplies W's bytes with x's 64 at a time: 4-bit weights as they are
+ * (0-15) and 8-bit ones with their sign bit flipped (w + 128, unsigned), whose extra 128 sum(v)
+ * per four values is taken off again from `fix`. The integer sums are exact, as on the
+ * vpmaddwd path, in a third of its instructions: no weight is widened to 16 bits. A register's
+ * lanes meet their blocks' scales (W's times x's) in one FMA.
  *
  * 4-bit W goes four blocks at a time: their 64 bytes of qs hold weights 0-15 of each block in
  * the low nibbles and 16-31 in the high ones, so one AND and one shift-and-AND make two
@@ -571,9 +571,9 @@ static inline __attribute__((always_inline)) void quad_step(
 }
 
 /* 4-bit row n of W against `rows` (1 to SPLIT_MAX_ROWS) x rows from row 0, into y, four
- * blocks a step (the group order above). Sixteen blocks' scales (W's float16 ones times x's) are made at once;
- * each group's lanes pick theirs with a permute. A last group of fewer blocks is read through
- * masks. Inlined with `rows` a constant. */
+ * blocks a step (the group order above). Sixteen blocks' scales (W's float16 ones times x's)
+ * are made at once; each group's lanes pick theirs with a permute. A last group of fewer blocks
+ * is read through masks. Inlined with `rows` a constant. */
 static inline __attribute__((always_inline)) void quad_rows_dot(
     const QMatmulArgs *a, const Int16Rows *x16, const SplitRows *xs, int64_t n, const int rows) {
     const int64_t blocks = a->k / BLOCK;
@@ -607,8 +607,8 @@ static inline __attribute__((always_inline)) void quad_rows_dot(
 }
 
 /* 8-bit row n of W against `rows` (1 to SPLIT_MAX_ROWS) x rows from row 0, into y: W's
- * bytes are read once for all. Sixteen blocks' scales (W's float16 ones times x's) are made at once and each
- * pair's lanes pick theirs with a permute. Inlined with `rows` a constant. */
+ * bytes are read once for all. Sixteen blocks' scales (W's float16 ones times x's) are made at
+ * once and each pair's lanes pick theirs with a permute. Inlined with `rows` a constant. */
 static inline __attribute__((always_inline)) void split_rows_dot(
     const QMatmulArgs *a, const Int16Rows *x16, const SplitRows *xs, int64_t n, const int rows) {
     int64_t blocks = a->k / BLOCK;
