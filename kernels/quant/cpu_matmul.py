@@ -8,8 +8,8 @@ of the work, AVX2 machines take the kernel's integer path instead: x is held as 
 per value) and multiplied with integer multiply-adds, several x rows per widened block. How
 many rows that pays for the kernel says (``int16_max_rows``): one or two with AVX-512's
 float tiles, up to 8 against AVX2's. With AVX-512 VNNI the integer path splits x into bytes
-and multiplies them with W's bytes directly (``split_max_rows``); an LM head's rows take it
-up to ``LOGITS_SPLIT_MAX_ROWS``. Longer inputs
+and multiplies them with W's bytes directly, for up to ``split_max_rows`` rows: an LM head's
+(``logits_int16_max_rows``), a decode step's layers only one or two. Longer inputs
 (prefill chunks) are compute-bound: there a weight of moderate size is expanded to float32
 once and handed to the float GEMM; a large one (an LM head) stays with the kernel.
 Where no compiler is found, ``kernel()`` is None and the caller keeps float weights instead.
@@ -34,14 +34,6 @@ KIND_CODES = {Q4: 0, Q8: 1}
 KERNEL_MAX_ROWS = 32  # measured with random weights at SmolLM2's shapes (two cores)
 # Rows up to which the integer path serves; None: the bound the kernel measured for its CPU.
 INT16_MAX_ROWS: int | None = None
-# Rows up to which an LM head's product takes the split form where the CPU has it. Its rows are
-# sampled positions, never a prompt chunk whose keys and values later tokens read (a chunk on
-# the integer path moved the real model's greedy answers: layers keep the float tiles from 3
-# rows), and on that path each row's logits are bit for bit those it gets alone: a speculative
-# verification's rows get what decoding them one at a time would. Q8_0 49152 x 576, two
-# cores, split against float tiles: 1.5 / 2.5 ms at 3 rows, 2.65 / 3.45 at 5, 3.2 / 3.5 at 6,
-# 3.8 / 3.85 at 8.
-LOGITS_SPLIT_MAX_ROWS = 6
 # A weight past this many values is never expanded: expanding a 49152 x 576 LM head for every
 # step of 33+ requests would write 113 MB per step, more than the kernel's extra arithmetic.
 EXPAND_MAX_VALUES = 8 << 20
@@ -151,10 +143,16 @@ def int16_max_rows() -> int:
 
 
 def logits_int16_max_rows() -> int:
-    """Rows up to which an LM head's product takes the integer path."""
+    """Rows up to which an LM head's product takes the integer path: as far as the split form
+    goes where the CPU has it. An LM head's rows are sampled positions, never a prompt chunk
+    whose keys and values later tokens read (a chunk on the integer path moved the real model's
+    greedy answers: layers keep the float tiles from 3 rows), and on the split form each row's
+    logits are bit for bit those it gets alone: a speculative verification's rows get what
+    decoding them one at a time would, faster (the kernel's ``SPLIT_MAX_ROWS`` says by how
+    much)."""
     if INT16_MAX_ROWS is not None:
         return INT16_MAX_ROWS
-    return max(int16_max_rows(), min(split_max_rows(), LOGITS_SPLIT_MAX_ROWS))
+    return max(int16_max_rows(), split_max_rows())
 
 
 @functools.cache
@@ -176,7 +174,7 @@ def quantized_linear(
     sampled_rows: bool = False,
 ) -> torch.Tensor:
     """``x @ W^T + b`` for float32 ``x`` of any leading shape (``sampled_rows``: x holds an LM
-    head's rows, see ``LOGITS_SPLIT_MAX_ROWS``)."""
+    head's rows, see ``logits_int16_max_rows``)."""
     n, k = weight.shape
     if x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"quantized weights take float32 CPU inputs, not {x.dtype} {x.device}")
