@@ -136,7 +136,7 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few-second smoke run")
     args = parser.parse_args(argv)
     num_steps, repeats = (10, 5) if args.quick else (300, 50)

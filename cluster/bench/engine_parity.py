@@ -113,7 +113,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="embedded:tiny, float32 (CI)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

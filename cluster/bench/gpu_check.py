@@ -167,7 +167,7 @@ def figures_of(name: str, output: str, report: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="CPU-sized parts (CI)")
     parser.add_argument("--output-dir", default=None, help="where the logs go")
     args = parser.parse_args(argv)

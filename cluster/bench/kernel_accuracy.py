@@ -87,7 +87,7 @@ def cache_write_matches(layout: str, dtype_name: str, head_size: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="small heads, two layouts (CI)")
     args = parser.parse_args(argv)
     head_size = 16 if args.smoke else 128

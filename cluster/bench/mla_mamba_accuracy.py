@@ -197,7 +197,7 @@ def check_dtype(dtype_name: str, layouts: list[str], sizes: Sizes) -> tuple[floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="small sizes, two layouts (CI)")
     args = parser.parse_args(argv)
     sizes = SMOKE if args.smoke else FULL

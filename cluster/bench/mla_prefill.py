@@ -200,7 +200,7 @@ def parse_cases(text: str) -> list[tuple[int, int]]:
 
 
 def parse_args(argv: list[str] | None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--device", default="cpu", help="cpu or cuda")
     add("--dtype", choices=sorted(MODEL_DTYPES), default="float32")

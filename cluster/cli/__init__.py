@@ -26,10 +26,15 @@ COMMANDS = {
 }
 
 __all__ = ["build_parser", "engine_config", "main"]
+DESCRIPTION = (
+    "LLM inference on Ray: serve a model over gRPC and the OpenAI HTTP API, generate, chat, "
+    "run a batch, benchmark, plan the KV cache or write a test checkpoint. "
+    "`kvray COMMAND --help` tells each command's flags."
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvray", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="kvray", description=DESCRIPTION)
     common = argparse.ArgumentParser(add_help=False)
     add_log_level(common)
     commands = parser.add_subparsers(dest="command", required=True)

@@ -183,7 +183,7 @@ def run_prefill(sweep, device, num_reps, is_checked) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None)
     parser.add_argument("--small", action="store_true", help="CI-sized shapes")
     args = parser.parse_args(argv)
