@@ -40,7 +40,21 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS.values():
         command.add_parser(commands, common)
+    describe_subcommands(parser)
     return parser
+
+
+def describe_subcommands(parser: argparse.ArgumentParser) -> None:
+    """Each subcommand's ``--help`` opens with the line its parent lists it by, as a sentence
+    (unless it was given a description of its own), at every level (``kvray bench decode``)."""
+    for action in parser._actions:
+        if not isinstance(action, argparse._SubParsersAction):
+            continue
+        for listed in action._choices_actions:
+            subcommand = action.choices[listed.dest]
+            if subcommand.description is None and listed.help:
+                subcommand.description = listed.help[0].upper() + listed.help[1:] + "."
+            describe_subcommands(subcommand)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,10 @@
-"""``--help`` opens with a whole description: ``kvray``'s, and each benchmark script's (its
-docstring's first paragraph, however many lines it wraps to), never a sentence cut at a line."""
+"""``--help`` opens with a whole description: ``kvray``'s, each subcommand's (the line its
+parent lists it by, as a sentence) and each benchmark script's (its docstring's first
+paragraph, however many lines it wraps to), never a sentence cut at a line."""
 
 from __future__ import annotations
 
+import argparse
 import importlib
 
 import pytest
@@ -36,6 +38,32 @@ def test_kvrays_help_describes_it_in_whole_sentences(capsys):
     description = described(capsys.readouterr().out)
     assert description.startswith("LLM inference on Ray")
     assert description.endswith("`kvray COMMAND --help` tells each command's flags.")
+
+
+def command_paths(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """Every subcommand's words, ``("bench", "decode")`` and the like."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, subcommand in action.choices.items():
+                yield (*path, name)
+                yield from command_paths(subcommand, (*path, name))
+
+
+def test_every_subcommands_help_opens_with_what_it_does(capsys):
+    paths = list(command_paths(build_parser()))
+    assert ("serve",) in paths and ("bench", "decode") in paths
+    descriptions = {}
+    for path in paths:
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*path, "--help"])
+        descriptions[path] = described(capsys.readouterr().out)
+    for path, description in descriptions.items():
+        assert description[0].isupper() and description.endswith("."), (path, description)
+        assert not description.startswith(("options:", "positional arguments:")), path
+    assert descriptions[("serve",)] == "Serve a model over gRPC and HTTP on Ray."
+    assert descriptions[("bench", "decode")] == (
+        "The time of one decode step at each context length (one in-process worker)."
+    )
 
 
 @pytest.mark.parametrize("module_name", sorted(SCRIPTS))
