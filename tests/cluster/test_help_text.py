@@ -50,12 +50,13 @@ def command_paths(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
 
 
 def test_every_subcommands_help_opens_with_what_it_does(capsys):
-    paths = list(command_paths(build_parser()))
+    parser = build_parser()
+    paths = list(command_paths(parser))
     assert ("serve",) in paths and ("bench", "decode") in paths
     descriptions = {}
     for path in paths:
         with pytest.raises(SystemExit):
-            build_parser().parse_args([*path, "--help"])
+            parser.parse_args([*path, "--help"])
         descriptions[path] = described(capsys.readouterr().out)
     for path, description in descriptions.items():
         assert description[0].isupper() and description.endswith("."), (path, description)
